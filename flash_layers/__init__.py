@@ -1,0 +1,13 @@
+"""flash-layers: one attention contract, many implementations.
+
+    import flash_layers as fl
+    out = fl.attention(q, k, v, impl="auto", causal=True)
+    print(fl.explain(q, k, v, causal=True))
+"""
+
+from flash_layers.api import Explanation, attention, explain
+from flash_layers.impls import IMPLS, UnsupportedError
+from flash_layers.platform import interpret_as
+
+__all__ = ["IMPLS", "Explanation", "UnsupportedError", "attention", "explain", "interpret_as"]
+__version__ = "0.1.0"

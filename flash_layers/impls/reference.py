@@ -1,0 +1,63 @@
+"""The readable oracle: dense float32 logits, a masked softmax, nothing clever.
+
+Memory is O(q_len * kv_len) per head; use it to check the others, not to train
+long documents.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flash_layers import masks
+from flash_layers.impls.base import Args, Request
+
+
+def masked_softmax_attention(q, k, v, mask, scale, softcap):
+  """Attention over grouped heads in float32.
+
+  q [b, t, kvh, g, d], k [b, s, kvh, d], v [b, s, kvh, dv], mask broadcastable to
+  [b, kvh, g, t, s]. Returns out [b, t, kvh, g, dv] float32 and lse [b, kvh, g, t].
+  """
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision="highest") * scale
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  mask = jnp.broadcast_to(mask, logits.shape)
+  # Double-where: masked entries never reach exp/log, so rows with no visible
+  # key give 0 output, lse = -inf, and zero (not NaN) gradients.
+  row_max = jnp.max(jnp.where(mask, logits, -jnp.inf), axis=-1, keepdims=True)
+  row_max = jnp.where(jnp.isfinite(row_max), row_max, 0.0)
+  row_max = jax.lax.stop_gradient(row_max)
+  p = jnp.where(mask, jnp.exp(jnp.where(mask, logits, row_max) - row_max), 0.0)
+  denom = p.sum(-1, keepdims=True)
+  has_key = denom > 0
+  safe_denom = jnp.where(has_key, denom, 1.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", p / safe_denom, v, precision="highest")
+  lse = jnp.where(has_key, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
+  return out, lse
+
+
+class Reference:
+  name = "reference"
+
+  def unsupported(self, request: Request, platform: str) -> str | None:
+    return None
+
+  def kernel(self, request: Request, platform: str) -> str:
+    return "xla"
+
+  def attend(self, q, k, v, *, request: Request, args: Args):
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    g = h // kvh
+    mask = masks.dense_mask(t, k.shape[1], request.spec, args.q_segment_ids,
+                            args.kv_segment_ids, args.q_offset, args.kv_offset)
+    mask = mask[:, None, None]  # [b|1, 1, 1, t, s]
+    if args.dense_mask is not None:
+      # [b, h, t, s] -> [b, kvh, g, t, s]
+      dm = jnp.broadcast_to(args.dense_mask, (b, h, t, k.shape[1]))
+      mask = mask & dm.reshape(b, kvh, g, t, k.shape[1])
+    out, lse = masked_softmax_attention(q.reshape(b, t, kvh, g, d), k, v, mask,
+                                        request.scale, request.softcap)
+    return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)

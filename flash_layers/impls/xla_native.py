@@ -1,0 +1,62 @@
+"""`jax.nn.dot_product_attention`: XLA's fused attention, cuDNN on GPU where eligible.
+
+It has no softcap and needs head_dim_v == head_dim; those requests raise
+UnsupportedError. Segment ids, windows and ring offsets become a boolean mask
+(which also keeps cuDNN from being picked; a plain causal call stays maskless
+and cuDNN-eligible).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from flash_layers import masks
+from flash_layers.impls.base import Args, Request
+
+_CUDNN_DTYPES = ("bfloat16", "float16")
+
+
+def _uses_plain_causal(request: Request, args: Args) -> bool:
+  static_zero = isinstance(args.q_offset, int) and isinstance(args.kv_offset, int) and (
+      args.q_offset == args.kv_offset == 0)
+  return (request.spec.window is None and not request.has_segment_ids
+          and args.dense_mask is None and static_zero)
+
+
+class XlaNative:
+  name = "xla_native"
+
+  def unsupported(self, request: Request, platform: str) -> str | None:
+    if request.softcap is not None:
+      return "softcap"
+    if request.head_dim_v != request.head_dim:
+      return "head_dim_v != head_dim"
+    return None
+
+  def kernel(self, request: Request, platform: str) -> str:
+    cudnn_ok = (platform == "cuda" and request.dtype in _CUDNN_DTYPES
+                and request.head_dim <= 128 and request.head_dim % 8 == 0
+                and not request.has_segment_ids and request.spec.window is None
+                and not request.has_dense_mask)
+    return "cudnn" if cudnn_ok else "xla"
+
+  def attend(self, q, k, v, *, request: Request, args: Args):
+    mask = None
+    is_causal = request.spec.causal
+    if not _uses_plain_causal(request, args):
+      is_causal = False
+      mask = masks.dense_mask(q.shape[1], k.shape[1], request.spec, args.q_segment_ids,
+                              args.kv_segment_ids, args.q_offset, args.kv_offset)[:, None]
+      if args.dense_mask is not None:
+        mask = mask & args.dense_mask
+    out, lse = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=request.scale,
+                                            is_causal=is_causal, return_residual=True)
+    lse = jnp.swapaxes(lse.astype(jnp.float32), 1, 2)  # [b, t, h] -> [b, h, t]
+    if mask is not None:
+      # XLA gives a row with no visible key the mean of all values; the contract says 0.
+      has_key = jnp.any(jnp.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[1])),
+                        axis=-1)  # [b, h, t]
+      out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], out, 0).astype(q.dtype)
+      lse = jnp.where(has_key, lse, -jnp.inf)
+    return out, lse

@@ -1,0 +1,193 @@
+"""The attention mask, in one place.
+
+Every impl, both Pallas kernel families, `explain()` and the ring schedule read
+the mask through this module, so there is exactly one definition of "query i may
+attend key j":
+
+* ``causal``           -> kv_pos <= q_pos
+* ``window=(l, r)``    -> q_pos - l <= kv_pos <= q_pos + r
+* segment ids          -> q_segment_ids[i] == kv_segment_ids[j]
+
+Positions are *global*: ``q_pos = q_offset + i`` and ``kv_pos = kv_offset + j``.
+Offsets are 0 for an ordinary call; ring attention passes the offsets of the
+shards a device holds (they may be traced values).
+
+The block map answers the same question for tiles: may *any* query of q block
+``qb`` attend *any* key of kv block ``kb``? Kernels visit only the visible
+blocks and mask element-wise inside the partially visible ones. The answer is
+conservative (it may say "visible" for a block with no visible pair, never the
+reverse), and exact for causal, windows and contiguous packed documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+def normalize_window(window: int | tuple[int, int] | None) -> tuple[int, int] | None:
+  """``w`` -> ``(w, w)``; validates; ``None`` stays ``None``."""
+  if window is None:
+    return None
+  if isinstance(window, bool):
+    raise TypeError(f"window must be an int or a (left, right) pair of ints; got {window!r}")
+  if isinstance(window, int):
+    window = (window, window)
+  try:
+    left, right = window
+  except (TypeError, ValueError):
+    raise TypeError(
+        f"window must be an int or a (left, right) pair of ints; got {window!r}") from None
+  for name, v in (("left", left), ("right", right)):
+    if isinstance(v, bool) or not isinstance(v, int):
+      raise TypeError(f"window {name} must be a non-negative int; got {v!r} in window={window!r}")
+    if v < 0:
+      raise ValueError(f"window {name} must be >= 0; got {v} in window={window!r}")
+  return (int(left), int(right))
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskSpec:
+  """The static part of a mask (segment ids and offsets are arrays, passed beside it)."""
+
+  causal: bool = False
+  window: tuple[int, int] | None = None
+
+  def describe(self, has_segments: bool) -> str:
+    parts = []
+    if self.causal:
+      parts.append("causal")
+    if self.window is not None:
+      parts.append(f"window={self.window}")
+    if has_segments:
+      parts.append("segments")
+    return "+".join(parts) or "full"
+
+
+def visible(q_pos, kv_pos, spec: MaskSpec, q_seg=None, kv_seg=None):
+  """Element-wise visibility; broadcasts its arguments (q on axis -2, kv on axis -1 by the caller).
+
+  This is the single predicate: the reference, xla_chunked and the kernels call
+  it (the kernels on iota-built positions of one tile).
+  """
+  ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(kv_pos)), dtype=bool)
+  if spec.causal:
+    ok = ok & (kv_pos <= q_pos)
+  if spec.window is not None:
+    left, right = spec.window
+    ok = ok & (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+  if q_seg is not None:
+    ok = ok & (q_seg == kv_seg)
+  return ok
+
+
+def dense_mask(q_len: int, kv_len: int, spec: MaskSpec, q_segment_ids=None,
+               kv_segment_ids=None, q_offset=0, kv_offset=0) -> jax.Array:
+  """Boolean mask ``[batch or 1, q_len, kv_len]``."""
+  q_pos = q_offset + jnp.arange(q_len, dtype=jnp.int32)[:, None]
+  kv_pos = kv_offset + jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+  q_seg = kv_seg = None
+  if q_segment_ids is not None:
+    q_seg = q_segment_ids[:, :, None]
+    kv_seg = kv_segment_ids[:, None, :]
+  ok = visible(q_pos, kv_pos, spec, q_seg, kv_seg)
+  return ok if ok.ndim == 3 else ok[None]
+
+
+class BlockMap(NamedTuple):
+  """Which (q block, kv block) tiles hold at least one visible pair.
+
+  Shapes use ``b = batch`` when segment ids are given, else ``b = 1``.
+
+  visible:   bool  [b, num_q_blocks, num_kv_blocks]
+  full:      bool  [b, num_q_blocks, num_kv_blocks]  every pair visible: no element mask needed
+  kv_index:  int32 [b, num_q_blocks, num_kv_blocks]  per q block, the visible kv blocks first (in
+             order), then the last visible one repeated, so a kernel that clamps its index_map
+             to it re-uses the tile already in VMEM and issues no new DMA for skipped steps
+  kv_count:  int32 [b, num_q_blocks]                 how many kv blocks the q block visits
+  q_index / q_count: the same, transposed (per kv block, the q blocks that see it); the
+             dK/dV backward kernels iterate these.
+  """
+
+  visible: jax.Array
+  full: jax.Array
+  kv_index: jax.Array
+  kv_count: jax.Array
+  q_index: jax.Array
+  q_count: jax.Array
+
+  @property
+  def blocks_visited(self):
+    return jnp.sum(self.visible)
+
+  @property
+  def blocks_total(self) -> int:
+    return int(self.visible.size)
+
+
+def _block_ranges(seg, length: int, block: int):
+  """Per block: (min, max) of the segment ids of the real (unpadded) positions."""
+  num_blocks = -(-length // block)
+  pad = num_blocks * block - length
+  big = jnp.iinfo(jnp.int32).max
+  small = jnp.iinfo(jnp.int32).min
+  seg = seg.astype(jnp.int32)
+  lo = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=big).reshape(seg.shape[0], num_blocks, block)
+  hi = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=small).reshape(seg.shape[0], num_blocks, block)
+  return lo.min(-1), hi.max(-1)
+
+
+def _compact(vis):
+  """Per row of ``vis [b, n, m]``: indices of True entries first (in order), then the last one repeated."""
+  m = vis.shape[-1]
+  idx = jnp.arange(m, dtype=jnp.int32)
+  # Stable sort key: visible blocks keep their order and come before invisible ones.
+  key = jnp.where(vis, idx, m + idx)
+  order = jnp.argsort(key, axis=-1).astype(jnp.int32)
+  count = vis.sum(-1).astype(jnp.int32)
+  last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+  pos = jnp.arange(m, dtype=jnp.int32)
+  order = jnp.where(pos < count[..., None], order, last)
+  return order, count
+
+
+def block_map(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSpec,
+              q_segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0) -> BlockMap:
+  """The shared block-sparsity map (see module docstring). Works on traced inputs."""
+  nq = -(-q_len // block_q)
+  nk = -(-kv_len // block_kv)
+  q_start = q_offset + jnp.arange(nq, dtype=jnp.int32) * block_q
+  q_end = q_offset + jnp.minimum((jnp.arange(nq, dtype=jnp.int32) + 1) * block_q, q_len) - 1
+  kv_start = kv_offset + jnp.arange(nk, dtype=jnp.int32) * block_kv
+  kv_end = kv_offset + jnp.minimum((jnp.arange(nk, dtype=jnp.int32) + 1) * block_kv, kv_len) - 1
+  qs, qe = q_start[:, None], q_end[:, None]
+  ks, ke = kv_start[None, :], kv_end[None, :]
+
+  vis = jnp.ones((nq, nk), dtype=bool)
+  full = jnp.ones((nq, nk), dtype=bool)
+  if spec.causal:
+    vis &= ks <= qe
+    full &= ke <= qs
+  if spec.window is not None:
+    left, right = spec.window
+    vis &= (ks <= qe + right) & (ke >= qs - left)
+    full &= (ks >= qe - left) & (ke <= qs + right)
+  vis, full = vis[None], full[None]
+  if q_segment_ids is not None:
+    q_lo, q_hi = _block_ranges(q_segment_ids, q_len, block_q)
+    kv_lo, kv_hi = _block_ranges(kv_segment_ids, kv_len, block_kv)
+    overlap = (q_lo[:, :, None] <= kv_hi[:, None, :]) & (kv_lo[:, None, :] <= q_hi[:, :, None])
+    single = ((q_lo == q_hi)[:, :, None] & (kv_lo == kv_hi)[:, None, :]
+              & (q_lo[:, :, None] == kv_lo[:, None, :]))
+    vis = vis & overlap
+    full = full & single
+  # A block holding padded tail positions needs the element mask for the tail.
+  tail = ((q_len % block_q != 0) & (jnp.arange(nq) == nq - 1))[:, None] | (
+      (kv_len % block_kv != 0) & (jnp.arange(nk) == nk - 1))[None, :]
+  full = full & vis & ~tail[None]
+  kv_index, kv_count = _compact(vis)
+  q_index, q_count = _compact(jnp.swapaxes(vis, 1, 2))
+  return BlockMap(vis, full, kv_index, kv_count, q_index, q_count)
