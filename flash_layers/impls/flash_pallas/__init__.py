@@ -1,22 +1,83 @@
-"""flash_pallas: our own Pallas flash-attention kernels (TPU: Mosaic, GPU: Triton).
+"""flash_pallas: our own Pallas flash-attention kernels, one family per platform.
 
-The kernels land with their own issues; until then every request is refused
-with UnsupportedError so that "auto" skips this impl and explicit use is loud.
+* `tpu.py` — Mosaic kernels designed for the TPU (VMEM scratch, scalar-prefetched block map).
+* `gpu.py` — Triton kernels designed for the GPU (one program per q block, in-kernel kv loop).
+
+This module only dispatches. The family follows the platform the computation is
+*lowered* for (`jax.lax.platform_dependent`): a TPU lowering gets the Mosaic
+kernels, a CUDA lowering the Triton ones, anything else (the CPU) the TPU
+kernels in interpret mode. `fl.interpret_as("tpu" | "gpu")` forces one family,
+interpreted, everywhere.
+
+Each family module provides:
+  unsupported(request) -> str | None     the first feature it cannot serve
+  block_shape(request, platform) -> (block_q, block_kv)   the tiles it would use
+  flash_attention(q, k, v, *, request, args, interpret) -> (out, lse)
 """
 
 from __future__ import annotations
 
-from flash_layers.impls.base import Args, Request, UnsupportedError
+import importlib
+
+import jax
+
+from flash_layers import masks
+from flash_layers import platform as platform_lib
+from flash_layers.impls.base import Args, Request
+
+_FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
+                   "gpu": "flash_layers.impls.flash_pallas.gpu"}
+
+
+def _family(name: str):
+  return importlib.import_module(_FAMILY_MODULES[name])
+
+
+def family_for(platform: str) -> tuple[str, bool]:
+  """(kernel family, interpreted?) for a lowering platform, honouring interpret_as."""
+  forced = platform_lib.interpreting()
+  if forced is not None:
+    return forced, True
+  if platform == "tpu":
+    return "tpu", False
+  if platform in ("cuda", "rocm"):
+    return "gpu", False
+  return "tpu", True
 
 
 class FlashPallas:
   name = "flash_pallas"
 
   def unsupported(self, request: Request, platform: str) -> str | None:
-    return "flash_pallas kernels (not built yet)"
+    family, _ = family_for(platform)
+    return _family(family).unsupported(request)
 
   def kernel(self, request: Request, platform: str) -> str:
-    return "pallas"
+    family, interpreted = family_for(platform)
+    return f"pallas-{family}" + (" (interpret)" if interpreted else "")
+
+  def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
+    """(blocks visited, blocks total) over batch and heads; None when segment ids are traced."""
+    family, _ = family_for(platform)
+    block_q, block_kv = _family(family).block_shape(request, platform)
+    seg = args.q_segment_ids
+    if seg is not None and isinstance(seg, jax.core.Tracer):
+      return None
+    bm = masks.block_map(request.q_len, request.kv_len, block_q, block_kv, request.spec,
+                         args.q_segment_ids, args.kv_segment_ids, args.q_offset, args.kv_offset)
+    # Without segment ids the map has batch 1 and holds for every batch row.
+    per_row = request.batch if bm.visible.shape[0] == 1 else 1
+    visited = int(bm.blocks_visited) * per_row * request.num_heads
+    return visited, request.batch * request.num_heads * bm.visible.shape[1] * bm.visible.shape[2]
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    raise UnsupportedError("flash_pallas kernels are not built yet")
+    forced = platform_lib.interpreting()
+
+    def run(family: str, interpret: bool):
+      return lambda q, k, v: _family(family).flash_attention(
+          q, k, v, request=request, args=args, interpret=interpret)
+
+    if forced is not None:
+      return run(forced, True)(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, tpu=run("tpu", False), cuda=run("gpu", False),
+                                      rocm=run("gpu", False), default=run("tpu", True))
