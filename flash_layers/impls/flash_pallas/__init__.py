@@ -49,6 +49,8 @@ class FlashPallas:
   name = "flash_pallas"
 
   def unsupported(self, request: Request, platform: str) -> str | None:
+    if request.has_dense_mask:  # the kernels skip blocks by the mask spec, never by an array
+      return "dense mask"
     family, _ = family_for(platform)
     return _family(family).unsupported(request)
 

@@ -1,0 +1,273 @@
+"""Flax layers over `fl.attention`, and an adapter for flax's own attention modules.
+
+* `MultiHeadAttention` (flax.linen): q/k/v/out projections around `fl.attention`.
+  Its parameter tree is the one of `flax.linen.MultiHeadDotProductAttention`
+  (`query`, `key`, `value`, `out`, each a DenseGeneral with `kernel` and `bias`),
+  so weights port both ways; the kernels carry logical axis names so that
+  sharding rules can place them.
+* `attention_fn(impl=...)`: a drop-in `attention_fn=` for
+  `flax.linen.MultiHeadDotProductAttention` and `flax.nnx.MultiHeadAttention`.
+
+The field checks and head-size defaults live here once and are shared with the
+Haiku layer (`flash_layers.haiku`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flash_layers import api
+from flash_layers.impls import UnsupportedError
+
+# Logical axis names of the parameters; sharding rules map them to mesh axes.
+QUERY_KERNEL_AXES = ("embed", "heads", "head_dim")
+KV_KERNEL_AXES = ("embed", "kv_heads", "head_dim")
+OUT_KERNEL_AXES = ("heads", "head_dim", "embed")
+OUT_BIAS_AXES = ("embed",)
+
+
+# ----------------------------------------------------------------------------
+# Field checks and head sizes, shared with the Haiku layer
+# ----------------------------------------------------------------------------
+
+def _check_positive_int(name: str, value, *, optional: bool):
+  if value is None and optional:
+    return
+  if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+    raise ValueError(f"{name} must be a positive int{' or None' if optional else ''}; got {value!r}")
+
+
+def check_fields(layer) -> None:
+  """Validate a layer's fields at construction (everything that does not need the inputs)."""
+  api._check_impl(layer.impl)
+  _check_positive_int("num_heads", layer.num_heads, optional=False)
+  for name in ("num_kv_heads", "head_dim", "head_dim_v", "out_features"):
+    _check_positive_int(name, getattr(layer, name), optional=True)
+  if layer.num_kv_heads is not None and layer.num_heads % layer.num_kv_heads:
+    raise ValueError(f"num_heads ({layer.num_heads}) must be a multiple of num_kv_heads "
+                     f"({layer.num_kv_heads})")
+  if not isinstance(layer.causal, bool):
+    raise TypeError(f"causal must be a bool; got {layer.causal!r}")
+  rate = layer.dropout_rate
+  if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
+    raise ValueError(f"dropout_rate must be a float in [0, 1); got {rate!r}")
+
+
+def check_dropout(dropout_rate: float, deterministic: bool) -> None:
+  """Attention-probability dropout would need the probabilities, which no fused impl materializes."""
+  if dropout_rate and not deterministic:
+    raise UnsupportedError(
+        f"dropout_rate={dropout_rate} with deterministic=False: dropout on attention "
+        "probabilities is not supported by flash_layers; set dropout_rate=0 (or apply dropout "
+        "to the layer's output instead)")
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDims:
+  """The resolved sizes of one layer call."""
+
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  head_dim_v: int
+  out_features: int
+
+
+def head_dims(layer, inputs_q, inputs_kv) -> HeadDims:
+  """Resolve the defaults (num_kv_heads = num_heads, head_dim = features // num_heads, ...)."""
+  for name, x in (("inputs_q", inputs_q), ("inputs_kv", inputs_kv)):
+    if not hasattr(x, "shape") or x.ndim != 3:
+      raise ValueError(f"{name} must have shape [batch, length, features]; "
+                       f"got {getattr(x, 'shape', type(x).__name__)}")
+  if inputs_q.shape[0] != inputs_kv.shape[0]:
+    raise ValueError(f"inputs_q and inputs_kv batch sizes differ: {inputs_q.shape[0]} vs "
+                     f"{inputs_kv.shape[0]}")
+  features = inputs_q.shape[-1]
+  head_dim = layer.head_dim
+  if head_dim is None:
+    if features % layer.num_heads:
+      raise ValueError(f"features of inputs_q ({features}) must be a multiple of num_heads "
+                       f"({layer.num_heads}) when head_dim is not given")
+    head_dim = features // layer.num_heads
+  return HeadDims(
+      num_heads=layer.num_heads,
+      num_kv_heads=layer.num_kv_heads or layer.num_heads,
+      head_dim=head_dim,
+      head_dim_v=layer.head_dim_v or head_dim,
+      out_features=layer.out_features or features)
+
+
+def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids):
+  """`fl.attention` with the layer's attention fields."""
+  return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
+                       segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                       window=layer.window, scale=layer.scale, softcap=layer.softcap,
+                       block_sizes=layer.block_sizes)
+
+
+# ----------------------------------------------------------------------------
+# The Flax layer
+# ----------------------------------------------------------------------------
+
+class MultiHeadAttention(nn.Module):
+  """Multi-head attention (MHA, GQA, MQA) whose attention is `fl.attention`.
+
+  Parameters mirror `flax.linen.MultiHeadDotProductAttention`: `query`, `key` and
+  `value` kernels `[embed, heads, head_dim]` (kv: `kv_heads`; value: `head_dim_v`),
+  biases `[heads, head_dim]`, `out` kernel `[heads, head_dim_v, out_features]`,
+  bias `[out_features]`. They are boxed with the logical axis names "embed",
+  "heads", "kv_heads" and "head_dim" (`nn.get_partition_spec` reads them;
+  `nn.meta.unbox` strips them).
+
+  Attributes:
+    num_heads: query heads.
+    num_kv_heads: key/value heads, dividing num_heads; None for num_heads.
+    head_dim: query/key depth per head; None for features // num_heads.
+    head_dim_v: value depth per head; None for head_dim.
+    out_features: output features; None for the features of inputs_q.
+    impl: one of `fl.IMPLS` or "auto" (see `fl.explain`); an explicit impl that
+      cannot serve a call raises `fl.UnsupportedError`.
+    causal, window, softcap, scale, block_sizes: as in `fl.attention`.
+    dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
+    use_bias, kernel_init, bias_init, precision: as in `nn.DenseGeneral`.
+    dropout_rate: must be 0 to train: dropout on attention probabilities is not
+      supported (a call with dropout_rate > 0 and deterministic=False raises
+      UnsupportedError). Kept so that flax configs port; deterministic calls are exact.
+  """
+
+  num_heads: int
+  num_kv_heads: int | None = None
+  head_dim: int | None = None
+  head_dim_v: int | None = None
+  out_features: int | None = None
+  impl: str = api.AUTO
+  causal: bool = False
+  window: int | tuple[int, int] | None = None
+  softcap: float | None = None
+  scale: float | None = None
+  block_sizes: Any = None
+  dtype: Any = None
+  param_dtype: Any = jnp.float32
+  use_bias: bool = True
+  kernel_init: Callable = nn.initializers.lecun_normal()
+  bias_init: Callable = nn.initializers.zeros_init()
+  precision: Any = None
+  dropout_rate: float = 0.0
+
+  def __post_init__(self):
+    check_fields(self)
+    super().__post_init__()
+
+  def _dense(self, name: str, features, axis, kernel_axes, bias_axes) -> nn.DenseGeneral:
+    return nn.DenseGeneral(
+        features=features, axis=axis, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision,
+        kernel_init=nn.with_logical_partitioning(self.kernel_init, kernel_axes),
+        bias_init=nn.with_logical_partitioning(self.bias_init, bias_axes), name=name)
+
+  @nn.compact
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+               segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               deterministic: bool = True) -> jax.Array:
+    """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
+
+    segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
+    Returns [batch, q_len, out_features].
+    """
+    check_dropout(self.dropout_rate, deterministic)
+    if inputs_kv is None:
+      inputs_kv = inputs_q
+    dims = head_dims(self, inputs_q, inputs_kv)
+    query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
+                        QUERY_KERNEL_AXES, QUERY_KERNEL_AXES[1:])(inputs_q)
+    key = self._dense("key", (dims.num_kv_heads, dims.head_dim), -1,
+                      KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
+    value = self._dense("value", (dims.num_kv_heads, dims.head_dim_v), -1,
+                        KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
+    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids)
+    return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
+
+
+# ----------------------------------------------------------------------------
+# attention_fn: flash_layers inside flax's own attention modules
+# ----------------------------------------------------------------------------
+
+_FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes")
+# Keywords flax passes that change nothing here: our softmax is always float32,
+# dtype promotion is done below, and impls choose their own matmul precision.
+_HARMLESS_EXTRA = ("promote_dtype", "force_fp32_for_softmax")
+# Keywords that ask for custom einsums (e.g. quantization); fine while None.
+_EINSUM_EXTRA = ("qk_attn_weights_einsum", "attn_weights_value_einsum", "einsum_dot_general", "einsum")
+
+
+def _flatten_batch(query, key, value, mask):
+  """[batch..., len, heads, d] -> [batch, len, heads, d]; the mask follows the batch dims."""
+  batch_shape = query.shape[:-3]
+  flat = lambda x: x.reshape((math.prod(batch_shape),) + x.shape[-3:])
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.ndim < 3:
+      mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
+    mask = flat(jnp.broadcast_to(mask, batch_shape + mask.shape[-3:]))
+  return batch_shape, flat(query), flat(key), flat(value), mask
+
+
+def attention_fn(impl: str = api.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
+  """An `attention_fn` for `flax.linen.MultiHeadDotProductAttention` / `flax.nnx.MultiHeadAttention`.
+
+      layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fl.attention_fn(impl="xla_native"))
+
+  Args:
+    impl: one of `fl.IMPLS` or "auto".
+    **fixed_kwargs: `fl.attention` options applied to every call: causal, window,
+      scale, softcap, block_sizes.
+
+  The module's dense boolean `mask` ([batch..., heads|1, q_len, kv_len], True =
+  attend) and nnx's `is_causal` are honoured. A mask needs an impl that takes a
+  dense mask (reference, xla_native, xla_chunked); flash_pallas raises
+  UnsupportedError. Unlike flax's softmax, a row whose mask hides every key gets
+  zeros. An additive `bias`, attention-probability dropout (dropout_rate > 0 and
+  not deterministic) and sown attention weights raise UnsupportedError; `precision`
+  is ignored (each impl picks its own).
+  """
+  api._check_impl(impl)
+  unknown = sorted(set(fixed_kwargs) - set(_FIXED_KWARGS))
+  if unknown:
+    raise TypeError(f"attention_fn got unknown option(s) {unknown}; allowed: {list(_FIXED_KWARGS)}")
+
+  def fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
+         dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
+         **extra):
+    del broadcast_dropout, dropout_rng, precision
+    if bias is not None:
+      raise UnsupportedError("attention_fn: an additive attention bias is not supported; express "
+                             "it as a boolean mask, causal, window or segment ids")
+    check_dropout(dropout_rate, deterministic)
+    if module is not None:
+      raise UnsupportedError("attention_fn: sow_weights is not supported (the attention "
+                             "probabilities are never materialized)")
+    causal = fixed_kwargs.get("causal", False)
+    for name, value_ in extra.items():
+      if name == "is_causal":
+        causal = causal or bool(value_)
+      elif name in _EINSUM_EXTRA:
+        if value_ is not None:
+          raise UnsupportedError(f"attention_fn: a custom {name} is not supported")
+      elif name not in _HARMLESS_EXTRA:
+        raise TypeError(f"attention_fn got an unexpected keyword argument {name!r}")
+    if dtype is None:
+      dtype = jnp.result_type(query, key, value)
+    query, key, value = (x.astype(dtype) for x in (query, key, value))
+    batch_shape, q, k, v, mask = _flatten_batch(query, key, value, mask)
+    request, args = api.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask)
+    out, _ = api.attend(q, k, v, impl=impl, request=request, args=args)
+    return out.reshape(batch_shape + out.shape[1:])
+
+  return fn
