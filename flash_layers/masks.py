@@ -191,3 +191,20 @@ def block_map(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSp
   kv_index, kv_count = _compact(vis)
   q_index, q_count = _compact(jnp.swapaxes(vis, 1, 2))
   return BlockMap(vis, full, kv_index, kv_count, q_index, q_count)
+
+
+def block_stats(batch: int, num_heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int,
+                spec: MaskSpec, q_segment_ids=None, kv_segment_ids=None, q_offset=0,
+                kv_offset=0) -> tuple[int, int] | None:
+  """(blocks visited, blocks total) summed over batch and heads, for `explain()`.
+
+  None when segment ids or offsets are traced (the count is then not known before running).
+  """
+  if any(isinstance(x, jax.core.Tracer) for x in (q_segment_ids, kv_segment_ids, q_offset, kv_offset)):
+    return None
+  bm = block_map(q_len, kv_len, block_q, block_kv, spec, q_segment_ids, kv_segment_ids,
+                 q_offset, kv_offset)
+  # Without segment ids the map has batch 1 and holds for every batch row.
+  per_row = batch if bm.visible.shape[0] == 1 else 1
+  visited = int(bm.blocks_visited) * per_row * num_heads
+  return visited, batch * num_heads * bm.visible.shape[1] * bm.visible.shape[2]

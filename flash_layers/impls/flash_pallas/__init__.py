@@ -62,15 +62,9 @@ class FlashPallas:
     """(blocks visited, blocks total) over batch and heads; None when segment ids are traced."""
     family, _ = family_for(platform)
     block_q, block_kv = _family(family).block_shape(request, platform)
-    seg = args.q_segment_ids
-    if seg is not None and isinstance(seg, jax.core.Tracer):
-      return None
-    bm = masks.block_map(request.q_len, request.kv_len, block_q, block_kv, request.spec,
-                         args.q_segment_ids, args.kv_segment_ids, args.q_offset, args.kv_offset)
-    # Without segment ids the map has batch 1 and holds for every batch row.
-    per_row = request.batch if bm.visible.shape[0] == 1 else 1
-    visited = int(bm.blocks_visited) * per_row * request.num_heads
-    return visited, request.batch * request.num_heads * bm.visible.shape[1] * bm.visible.shape[2]
+    return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
+                             block_q, block_kv, request.spec, args.q_segment_ids,
+                             args.kv_segment_ids, args.q_offset, args.kv_offset)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
     forced = platform_lib.interpreting()
