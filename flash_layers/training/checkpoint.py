@@ -1,0 +1,184 @@
+"""Checkpoints with orbax: the latest few for resuming, the best by a dev metric kept apart.
+
+One checkpoint holds everything a resumed run needs to continue as if it had
+never stopped: the train state (params, optimizer state, step), every
+process's data-iterator state, and the config (for eval.py and for humans).
+
+    workdir/checkpoints/<step>/{state,data,config}   latest `max_to_keep`, for resuming
+    workdir/best/<step>/{state,data,config}          the best dev checkpoint only
+
+Saves are asynchronous (training continues while the arrays are written).
+Orbax writes each step into a temporary directory and renames it when
+complete, so a save cut short by a kill is never listed as a step. A listed
+step whose files are damaged fails to restore; `restore()` then warns, moves
+it aside (`<step>.corrupt-<n>`) and takes the one before it.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import os
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
+
+log = logging.getLogger("flash_layers.training")
+
+ITEMS = ("state", "data", "config")
+
+
+def _manager(directory: str, **options) -> ocp.CheckpointManager:
+  return ocp.CheckpointManager(
+    directory, options=ocp.CheckpointManagerOptions(create=True, **options), item_names=ITEMS)
+
+
+def _lower_is_better(metric: str) -> bool:
+  return metric == "loss"
+
+
+class Checkpointer:
+  def __init__(self, workdir: str, *, max_to_keep: int, best_metric: str, asynchronous: bool = True):
+    self.workdir = os.path.abspath(workdir)
+    self.best_metric = best_metric
+    self.latest = _manager(os.path.join(self.workdir, "checkpoints"), max_to_keep=max_to_keep,
+                           enable_async_checkpointing=asynchronous)
+    self.best = _manager(
+      os.path.join(self.workdir, "best"), max_to_keep=1, enable_async_checkpointing=asynchronous,
+      best_fn=lambda metrics: metrics[best_metric],
+      best_mode="min" if _lower_is_better(best_metric) else "max",
+      keep_checkpoints_without_metrics=False)
+
+  # -- saving -----------------------------------------------------------------
+
+  def save(self, step: int, state, data_state, config_json: str) -> None:
+    """Start an asynchronous save of `step` (a no-op if that step is already saved)."""
+    if step in self.latest.all_steps():
+      return
+    self.latest.save(step, args=_composite(state, data_state, config_json), force=True)
+
+  def best_value(self) -> float | None:
+    step = self.best.best_step()
+    if step is None:
+      return None
+    metrics = self.best.metrics(step)
+    return None if not metrics else metrics.get(self.best_metric)
+
+  def is_better(self, value: float) -> bool:
+    best = self.best_value()
+    if best is None:
+      return True
+    return value < best if _lower_is_better(self.best_metric) else value > best
+
+  def save_best(self, step: int, state, data_state, config_json: str, metrics: dict) -> bool:
+    """Save `step` to workdir/best if its dev metric beats the best so far."""
+    if not self.is_better(metrics[self.best_metric]) or step in self.best.all_steps():
+      return False
+    self.best.save(step, args=_composite(state, data_state, config_json),
+                   metrics={k: float(v) for k, v in metrics.items() if np.isscalar(v)}, force=True)
+    return True
+
+  def wait(self):
+    self.latest.wait_until_finished()
+    self.best.wait_until_finished()
+
+  def close(self):
+    self.latest.close()
+    self.best.close()
+
+  # -- restoring --------------------------------------------------------------
+
+  def steps(self, which: str = "latest") -> list[int]:
+    manager = self.best if which == "best" else self.latest
+    return sorted(manager.all_steps())
+
+  def restore(self, abstract_state, *, which: str | int = "latest", fallback: bool = True):
+    """Restore onto the shardings in `abstract_state` (a pytree of ShapeDtypeStructs).
+
+    which: "latest", "best" or a step number (looked up in checkpoints/, then best/).
+    Returns (step, state, data_state, config_json) or None when there is nothing to restore.
+    With fallback, a step that fails to restore is moved aside with a warning and
+    the previous one tried.
+    """
+    if which == "best":
+      manager, candidates = self.best, [s for s in [self.best.best_step()] if s is not None]
+    elif which == "latest":
+      manager, candidates = self.latest, sorted(self.latest.all_steps(), reverse=True)
+    else:
+      step = int(which)
+      manager = self.latest if step in self.latest.all_steps() else self.best
+      if step not in manager.all_steps():
+        raise ValueError(f"checkpoint step {step} not found in {self.workdir}/checkpoints or /best; "
+                         f"have {self.steps('latest')} and best {self.steps('best')}")
+      candidates = [step]
+    for step in candidates:
+      try:
+        restored = manager.restore(step, args=ocp.args.Composite(
+          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
+          config=ocp.args.JsonRestore()))
+      except Exception as e:  # orbax raises many kinds for damaged files
+        if not fallback or which not in ("latest",):
+          raise
+        log.warning("checkpoint step %d in %s cannot be restored (%s: %s); moving it aside and "
+                    "using the previous one", step, manager.directory, type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "")
+        self._move_aside(manager, step)
+        continue
+      data_state = _data_state_for_this_process(restored["data"])
+      return step, restored["state"], data_state, json.dumps(restored["config"])
+    return None
+
+  def _move_aside(self, manager: ocp.CheckpointManager, step: int):
+    if jax.process_index() == 0:
+      path = os.path.join(str(manager.directory), str(step))
+      n = 0
+      while os.path.exists(f"{path}.corrupt-{n}"):
+        n += 1
+      os.rename(path, f"{path}.corrupt-{n}")
+    if jax.process_count() > 1:
+      multihost_utils.sync_global_devices(f"checkpoint_move_aside_{step}")
+    manager.reload()
+
+
+# ----------------------------------------------------------------------------
+# Data-iterator state: one per process, saved together in one JSON item
+# ----------------------------------------------------------------------------
+
+def _encode(state) -> dict:
+  if isinstance(state, bytes):
+    return {"bytes": base64.b64encode(state).decode("ascii")}
+  return {"json": state}
+
+
+def _decode(entry: dict):
+  return base64.b64decode(entry["bytes"]) if "bytes" in entry else entry["json"]
+
+
+def _gather_strings(text: str) -> list[str]:
+  """Every process's `text`, in process order (a collective: all processes call it)."""
+  if jax.process_count() == 1:
+    return [text]
+  raw = np.frombuffer(text.encode("utf-8"), np.uint8)
+  lengths = multihost_utils.process_allgather(np.array([raw.size], np.int32))
+  padded = np.zeros(int(lengths.max()), np.uint8)
+  padded[:raw.size] = raw
+  gathered = multihost_utils.process_allgather(padded)
+  return [bytes(row[:n]).decode("utf-8") for row, n in zip(gathered, lengths.reshape(-1), strict=True)]
+
+
+def _composite(state, data_state, config_json: str) -> ocp.args.Composite:
+  per_process = _gather_strings(json.dumps(_encode(data_state)))
+  data = {"process_count": len(per_process), "processes": [json.loads(s) for s in per_process]}
+  return ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+                            config=ocp.args.JsonSave(json.loads(config_json)))
+
+
+def _data_state_for_this_process(data: dict):
+  if data["process_count"] != jax.process_count():
+    log.warning("the checkpoint's data-iterator state is from %d processes, this run has %d: "
+                "the data order restarts from the beginning", data["process_count"], jax.process_count())
+    return None
+  return _decode(data["processes"][jax.process_index()])

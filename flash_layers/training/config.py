@@ -1,0 +1,245 @@
+"""Every training setting, documented where it is defined, and its validation.
+
+The files in configs/ start from `default_config()` and change what their task
+needs; `validate()` checks a finished config before anything is compiled, so a
+bad value is a ValueError naming the field, not a traceback from inside JAX.
+"""
+
+from __future__ import annotations
+
+import os
+
+import ml_collections
+
+
+def default_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+
+  # Seed for parameter init (of anything not loaded from a checkpoint), dropout
+  # and data shuffling. Same seed + data + mesh -> bitwise-identical losses on CPU.
+  c.seed = 0
+
+  c.model = m = ml_collections.ConfigDict()
+  # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
+  # ("reference", "xla_native", "xla_chunked", "flash_pallas").
+  m.impl = "auto"
+  # Tokens per row. Beyond the checkpoint's position table (512 for BERT) the
+  # learned positions are extended (see position_extension), up to
+  # max_position_extension times the table.
+  m.max_len = 512
+  # Hugging Face BERT-format directory (config.json + model.safetensors), or a
+  # name the model package knows (e.g. "all-MiniLM-L6-v2"); None = from scratch
+  # with the sizes below and data.tokenizer.
+  m.pretrained = None
+  # "repeat" the learned position rows (as Longformer) or "interpolate" them.
+  m.position_extension = "repeat"
+  # How many times the pretrained position table may be extended.
+  m.max_position_extension = 16
+  # Document representation fed to the classifier: "cls" or "mean" (mean over
+  # the document's tokens, masked by segment ids).
+  m.pooling = "cls"
+  # Compute dtype: "float32" or "bfloat16" (params stay float32).
+  m.dtype = "float32"
+  # Rematerialize each block in the backward pass (saves activation memory).
+  m.remat = False
+  # Hidden dropout as BERT (attention-probability dropout is not supported).
+  m.dropout_rate = 0.1
+  # Sizes used only when training from scratch (pretrained=None).
+  m.num_layers = 2
+  m.hidden_size = 128
+  m.num_heads = 4
+  m.mlp_dim = 512
+  m.vocab_size = None  # None: the tokenizer's vocabulary size.
+
+  c.data = d = ml_collections.ConfigDict()
+  # "bbc_news", "listops", or a path to a JSONL/CSV/TSV file or a folder with one
+  # sub-folder of .txt files per class (then dev_path/test_path name the other splits).
+  d.dataset = "bbc_news"
+  d.dev_path = ""  # for file datasets: the dev split ("" = carve dev_fraction out of train)
+  d.test_path = ""  # for file datasets: the test split ("" = none)
+  d.dev_fraction = 0.1
+  d.text_field = "text"
+  d.label_field = "label"
+  # tokenizer.json to use; "" = the pretrained model's (or the dataset's own, for listops).
+  d.tokenizer = ""
+  # Long documents: "truncate" to max_len, or split into "windows".
+  d.long_documents = "truncate"
+  # Pack several short documents into one row (segment ids keep them apart).
+  d.packing = False
+  # Worker processes for tokenization (0 = in the main process).
+  d.num_workers = 0
+  # Number of examples for generated datasets (listops); None = the dataset's default.
+  d.num_examples = None
+
+  c.train = t = ml_collections.ConfigDict()
+  # Optimizer updates to run; one step consumes one global batch.
+  t.num_steps = 1000
+  # Global batch (documents or packed rows per step, over all processes).
+  t.batch_size = 32
+  # Split each global batch into this many micro-batches, scanned in one step.
+  t.grad_accum_steps = 1
+  # Peak AdamW learning rate, reached after warmup_steps.
+  t.learning_rate = 5e-5
+  t.end_learning_rate = 0.0
+  t.warmup_steps = 100
+  t.schedule = "linear"  # "linear", "cosine" or "constant" after warmup
+  t.weight_decay = 0.01  # not on LayerNorm, biases or embeddings
+  t.adam_b1 = 0.9
+  t.adam_b2 = 0.999
+  t.adam_eps = 1e-8
+  t.grad_clip_norm = 1.0  # 0 = no clipping
+  t.label_smoothing = 0.0
+  # Console progress and metrics.jsonl/TensorBoard record every log_every steps.
+  t.log_every = 10
+  # Dev evaluation every eval_every steps and at the end (0 = only at the end).
+  t.eval_every = 200
+  # Cap on dev batches per evaluation (None = the whole dev split).
+  t.eval_max_batches = None
+  # Per-device peak FLOP/s for the MFU estimate; None = look it up by device kind.
+  t.peak_flops_per_device = None
+
+  c.checkpoint = k = ml_collections.ConfigDict()
+  # Save (asynchronously) every every_steps steps and at the end.
+  k.every_steps = 200
+  k.max_to_keep = 2
+  # Dev metric that selects the best checkpoint, kept apart in workdir/best.
+  k.best_metric = "accuracy"  # "accuracy", "macro_f1" or "loss" (lower is better)
+
+  # Device mesh axis sizes; -1 = all remaining devices.
+  c.mesh = ms = ml_collections.ConfigDict()
+  ms.data = -1
+  ms.fsdp = 1
+  ms.tensor = 1
+  ms.sequence = 1
+
+  # Trace this many steps with jax.profiler into workdir/profile (0 = off),
+  # starting at step profile_start (after compilation).
+  c.profile_steps = 0
+  c.profile_start = 3
+  return c
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+BUILTIN_DATASETS = ("bbc_news", "listops")
+POOLINGS = ("cls", "mean")
+DTYPES = ("float32", "bfloat16")
+BEST_METRICS = ("accuracy", "macro_f1", "loss")
+POSITION_EXTENSIONS = ("repeat", "interpolate")
+LONG_DOCUMENTS = ("truncate", "windows")
+
+
+def _fail(field: str, message: str):
+  raise ValueError(f"config.{field}: {message}")
+
+
+def _positive_int(config, field: str, *, allow_zero: bool = False):
+  value = config
+  for part in field.split("."):
+    value = value[part]
+  ok = isinstance(value, int) and not isinstance(value, bool) and (value >= 0 if allow_zero else value > 0)
+  if not ok:
+    _fail(field, f"must be an integer {'>= 0' if allow_zero else '> 0'}; got {value!r}")
+
+
+def _choice(value, field: str, allowed):
+  if value not in allowed:
+    _fail(field, f"must be one of {tuple(allowed)}; got {value!r}")
+
+
+def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
+             check_data: bool = True) -> None:
+  """Raise ValueError naming the first bad field. Runs before any compilation.
+
+  num_devices: devices the mesh must tile (default: jax.device_count()).
+  check_data: False for the TPU dry run, which never reads data.
+  """
+  from flash_layers.impls import IMPLS
+
+  m, t, d, k = config.model, config.train, config.data, config.checkpoint
+  _choice(m.impl, "model.impl", ("auto", *IMPLS))
+  _positive_int(config, "model.max_len")
+  _choice(m.pooling, "model.pooling", POOLINGS)
+  _choice(m.dtype, "model.dtype", DTYPES)
+  _choice(m.position_extension, "model.position_extension", POSITION_EXTENSIONS)
+  if not 0.0 <= m.dropout_rate < 1.0:
+    _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
+
+  _positive_int(config, "train.num_steps")
+  _positive_int(config, "train.batch_size")
+  _positive_int(config, "train.grad_accum_steps")
+  _positive_int(config, "train.log_every")
+  _positive_int(config, "train.eval_every", allow_zero=True)
+  _positive_int(config, "train.warmup_steps", allow_zero=True)
+  if not (isinstance(t.learning_rate, (int, float)) and t.learning_rate > 0):
+    _fail("train.learning_rate", f"must be a number > 0; got {t.learning_rate!r}")
+  if t.end_learning_rate < 0 or t.end_learning_rate > t.learning_rate:
+    _fail("train.end_learning_rate", f"must be in [0, learning_rate={t.learning_rate}]; "
+          f"got {t.end_learning_rate!r}")
+  if t.weight_decay < 0:
+    _fail("train.weight_decay", f"must be >= 0; got {t.weight_decay!r}")
+  if t.grad_clip_norm < 0:
+    _fail("train.grad_clip_norm", f"must be >= 0 (0 = off); got {t.grad_clip_norm!r}")
+  _choice(t.schedule, "train.schedule", ("linear", "cosine", "constant"))
+  if t.batch_size % t.grad_accum_steps:
+    _fail("train.grad_accum_steps", f"must divide train.batch_size={t.batch_size}; "
+          f"got {t.grad_accum_steps}")
+
+  _positive_int(config, "checkpoint.every_steps")
+  _positive_int(config, "checkpoint.max_to_keep")
+  _choice(k.best_metric, "checkpoint.best_metric", BEST_METRICS)
+  _positive_int(config, "profile_steps", allow_zero=True)
+
+  _choice(d.long_documents, "data.long_documents", LONG_DOCUMENTS)
+  if check_data and d.dataset not in BUILTIN_DATASETS:
+    for field in ("dataset", "dev_path", "test_path"):
+      path = d[field]
+      if field != "dataset" and not path:
+        continue
+      if not os.path.exists(path):
+        _fail(f"data.{field}", f"{path!r} does not exist (a built-in dataset is one of "
+              f"{BUILTIN_DATASETS}, anything else a JSONL/CSV/TSV file or a folder)")
+
+  _validate_mesh(config, num_devices)
+
+
+def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
+  """Resolve -1 in config.mesh; ValueError naming the field if sizes don't tile the devices."""
+  sizes = {axis: config.mesh[axis] for axis in ("data", "fsdp", "tensor", "sequence")}
+  free = [axis for axis, size in sizes.items() if size == -1]
+  for axis, size in sizes.items():
+    if size != -1 and (not isinstance(size, int) or size < 1):
+      _fail(f"mesh.{axis}", f"must be a positive integer or -1; got {size!r}")
+  if len(free) > 1:
+    _fail(f"mesh.{free[1]}", f"only one mesh axis may be -1; got -1 for {free}")
+  fixed = 1
+  for size in sizes.values():
+    fixed *= size if size != -1 else 1
+  if free:
+    if num_devices % fixed:
+      _fail(f"mesh.{free[0]}", f"the other axes' product {fixed} does not divide the "
+            f"{num_devices} devices")
+    sizes[free[0]] = num_devices // fixed
+  elif fixed != num_devices:
+    _fail("mesh", f"data*fsdp*tensor*sequence = {fixed} must equal the {num_devices} devices "
+          f"(sizes {sizes}; use -1 for one axis to take the rest)")
+  return sizes
+
+
+def _validate_mesh(config, num_devices):
+  if num_devices is None:
+    import jax
+    num_devices = jax.device_count()
+  sizes = mesh_shape(config, num_devices)
+  t, m = config.train, config.model
+  batch_shards = sizes["data"] * sizes["fsdp"]
+  micro = t.batch_size // t.grad_accum_steps
+  if micro % batch_shards:
+    _fail("train.batch_size", f"each micro-batch (batch_size {t.batch_size} / grad_accum_steps "
+          f"{t.grad_accum_steps} = {micro}) must divide over the data*fsdp={batch_shards} shards")
+  if m.max_len % sizes["sequence"]:
+    _fail("model.max_len", f"{m.max_len} must divide over mesh.sequence={sizes['sequence']}")
+  if m.pretrained is None and m.hidden_size % m.num_heads:
+    _fail("model.num_heads", f"must divide model.hidden_size={m.hidden_size}; got {m.num_heads}")
