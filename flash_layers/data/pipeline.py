@@ -1,0 +1,214 @@
+"""The grain pipeline: records -> shuffled, sharded, tokenized, fixed-shape (optionally packed) batches.
+
+    records[process_index::process_count]      this process's shard
+      .shuffle(seed).repeat(num_epochs)        global index shuffle, reseeded each epoch
+      .batch(tokenize_chunk) .map(encode)      batched tokenization (in worker processes if num_workers)
+      -> PackedBatches                         rows of max_len tokens, batch_size rows per batch
+
+Every batch is a dict of int32 numpy arrays:
+  input_ids    [batch, max_len]   pad id where there is no token
+  segment_ids  [batch, max_len]   1, 2, ... for the documents of a row, 0 for padding
+  positions    [batch, max_len]   position within its document (restarting at 0 for each), 0 on padding
+  labels       [batch, max_docs]  label of the row's d-th document (segment id d + 1), -1 where none
+
+Without packing a row holds one document (max_docs = 1). With packing, documents are placed in
+order, greedily: a row takes the next document while it fits in max_len and the row has fewer
+than max_docs_per_row documents. A long document split into windows gives one "document" per
+window, each with the document's label. A final short batch is padded with empty rows (labels
+-1) unless drop_remainder.
+
+The iterator's `get_state()` / `set_state()` (grain's DatasetIterator protocol, so grain's
+orbax checkpoint handler works too) restore the exact position: a resumed run sees the batches
+the uninterrupted run would have seen.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import grain
+import numpy as np
+
+from flash_layers.data.tokenize import TextTokenizer
+
+Example = tuple[np.ndarray, int]  # (token ids of one window, label)
+
+
+class _Encode:
+  """Tokenize a chunk of records: -> [(window ids, label)], windows of a record in order."""
+
+  def __init__(self, tokenizer: TextTokenizer):
+    self.tokenizer = tokenizer
+
+  def __call__(self, records: Sequence[dict]) -> list[Example]:
+    windows = self.tokenizer.encode([r["text"] for r in records])
+    return [(w, int(r["label"])) for r, ws in zip(records, windows, strict=True) for w in ws]
+
+
+def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: int, max_docs: int,
+              pad_id: int = 0) -> dict[str, np.ndarray]:
+  """One batch from rows of examples; missing rows are empty (all padding, labels -1)."""
+  if len(rows) > batch_size:
+    raise ValueError(f"{len(rows)} rows do not fit in batch_size={batch_size}")
+  ids = np.full((batch_size, max_len), pad_id, np.int32)
+  seg = np.zeros((batch_size, max_len), np.int32)
+  pos = np.zeros((batch_size, max_len), np.int32)
+  labels = np.full((batch_size, max_docs), -1, np.int32)
+  for r, row in enumerate(rows):
+    if len(row) > max_docs:
+      raise ValueError(f"row {r} has {len(row)} documents; max_docs={max_docs}")
+    start = 0
+    for d, (tokens, label) in enumerate(row):
+      end = start + len(tokens)
+      if end > max_len:
+        raise ValueError(f"row {r}: documents of {end} tokens exceed max_len={max_len}")
+      ids[r, start:end] = tokens
+      seg[r, start:end] = d + 1
+      pos[r, start:end] = np.arange(len(tokens))
+      labels[r, d] = label
+      start = end
+  return {"input_ids": ids, "segment_ids": seg, "positions": pos, "labels": labels}
+
+
+class _PackedBatchesIterator(grain.DatasetIterator):
+  """Pulls chunks of examples from the parent and emits fixed-shape batches.
+
+  State: the parent's state before the chunk in progress, and how many of that chunk's examples
+  are already in emitted batches. Restoring re-reads that chunk (the parent is deterministic).
+  """
+
+  def __init__(self, parent: grain.DatasetIterator, cfg: dict[str, Any]):
+    super().__init__(parent)
+    self._cfg = cfg
+    self._chunk: list[Example] | None = None
+    self._chunk_state: dict | None = None
+    self._pos = 0
+    self._exhausted = False
+
+  def _peek(self) -> Example | None:
+    while self._chunk is None or self._pos >= len(self._chunk):
+      if self._exhausted:
+        return None
+      state = copy.deepcopy(self._parent.get_state())
+      try:
+        self._chunk = next(self._parent)
+      except StopIteration:
+        self._exhausted, self._chunk = True, None
+        return None
+      self._chunk_state, self._pos = state, 0
+    return self._chunk[self._pos]
+
+  def _next_row(self) -> list[Example]:
+    cfg, row, used = self._cfg, [], 0
+    while (example := self._peek()) is not None:
+      n = len(example[0])
+      if n > cfg["max_len"]:
+        raise ValueError(f"an example of {n} tokens exceeds max_len={cfg['max_len']}")
+      if row and (used + n > cfg["max_len"] or len(row) >= cfg["max_docs"]):
+        break
+      row.append(example)
+      used += n
+      self._pos += 1
+      if not cfg["pack"]:
+        break
+    return row
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    cfg, rows = self._cfg, []
+    while len(rows) < cfg["batch_size"] and (row := self._next_row()):
+      rows.append(row)
+    if not rows or (cfg["drop_remainder"] and len(rows) < cfg["batch_size"]):
+      raise StopIteration
+    return pack_rows(rows, batch_size=cfg["batch_size"], max_len=cfg["max_len"],
+                     max_docs=cfg["max_docs"], pad_id=cfg["pad_id"])
+
+  def get_state(self) -> dict[str, Any]:
+    if self._chunk is None or self._pos >= len(self._chunk):
+      return {"parent": copy.deepcopy(self._parent.get_state()), "offset": 0}
+    return {"parent": copy.deepcopy(self._chunk_state), "offset": self._pos}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._parent.set_state(copy.deepcopy(state["parent"]))
+    self._chunk, self._pos, self._exhausted = None, 0, False
+    if state["offset"]:
+      self._chunk_state = copy.deepcopy(state["parent"])
+      self._chunk = next(self._parent)
+      self._pos = state["offset"]
+
+
+class PackedBatches(grain.IterDataset):
+  def __init__(self, parent: grain.IterDataset, **cfg):
+    super().__init__(parent)
+    self._cfg = cfg
+
+  def __iter__(self) -> _PackedBatchesIterator:
+    return _PackedBatchesIterator(self._parent.__iter__(), self._cfg)
+
+
+def _check_int(name: str, value, *, minimum: int):
+  if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
+
+
+def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_size: int,
+                 pack: bool = False, max_docs_per_row: int | None = None, shuffle: bool = True,
+                 seed: int = 0, num_epochs: int | None = 1, drop_remainder: bool = False,
+                 process_index: int | None = None, process_count: int | None = None,
+                 num_workers: int = 0, tokenize_chunk: int = 64) -> grain.IterDataset:
+  """The pipeline as a grain IterDataset (see `make_batches` for the arguments)."""
+  if not isinstance(tokenizer, TextTokenizer):
+    raise TypeError(f"tokenizer must be a flash_layers.data.TextTokenizer; got {type(tokenizer).__name__}")
+  _check_int("batch_size", batch_size, minimum=1)
+  _check_int("tokenize_chunk", tokenize_chunk, minimum=1)
+  _check_int("num_workers", num_workers, minimum=0)
+  if num_epochs is not None:
+    _check_int("num_epochs", num_epochs, minimum=1)
+  if max_docs_per_row is None:
+    max_docs_per_row = 8 if pack else 1
+  _check_int("max_docs_per_row", max_docs_per_row, minimum=1)
+  if not pack and max_docs_per_row != 1:
+    raise ValueError(f"max_docs_per_row={max_docs_per_row} needs pack=True (a row without packing "
+                     "holds one document)")
+  if process_index is None or process_count is None:
+    import jax  # only for the defaults: a data-only user passes both
+    process_index = jax.process_index() if process_index is None else process_index
+    process_count = jax.process_count() if process_count is None else process_count
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index must be in [0, process_count={process_count}); got {process_index}")
+  if len(records) < process_count:
+    raise ValueError(f"{len(records)} records cannot be sharded over {process_count} processes")
+
+  ds = grain.MapDataset.source(records)[process_index::process_count]
+  if shuffle:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat(num_epochs)
+  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer))
+  it = ds.to_iter_dataset()
+  if num_workers:
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return PackedBatches(it, batch_size=batch_size, max_len=tokenizer.max_len, max_docs=max_docs_per_row,
+                       pad_id=tokenizer.pad_id, pack=pack, drop_remainder=drop_remainder)
+
+
+def make_batches(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_size: int,
+                 **options) -> grain.DatasetIterator:
+  """An iterator of batches (module docstring) with `get_state()` / `set_state(state)`.
+
+  Args:
+    records: {"text", "label"} dicts, e.g. from `flash_layers.data.load`.
+    tokenizer: a TextTokenizer; its max_len is the row length.
+    batch_size: rows per batch on this process.
+    pack: put several documents in a row (segment ids 1, 2, ...).
+    max_docs_per_row: with pack, the most documents in a row (the labels' second dim); default 8.
+    shuffle, seed: seeded global shuffle, reseeded each epoch.
+    num_epochs: passes over the data; None repeats forever.
+    drop_remainder: drop a final short batch instead of padding it with empty rows.
+    process_index, process_count: this process takes records[process_index::process_count];
+      default jax.process_index() / jax.process_count().
+    num_workers: tokenize in this many worker processes (grain mp_prefetch); 0 = in this process.
+      The batches are the same for every num_workers.
+    tokenize_chunk: records per tokenizer call.
+  """
+  return iter(make_dataset(records, tokenizer, batch_size=batch_size, **options))

