@@ -1,0 +1,300 @@
+"""A BERT-compatible document encoder in flax.linen whose attention is `fl.MultiHeadAttention`.
+
+Architecture as BERT (Devlin et al. 2019), so Hugging Face BERT checkpoints load unchanged
+(`flash_layers.models.from_pretrained`): word + position + token-type embeddings and a LayerNorm;
+post-LN blocks of self-attention and an exact-erf GELU MLP; hidden dropout after the embeddings,
+the attention output and the MLP. Attention-probability dropout is not supported (no fused impl
+materializes the probabilities): the config's attention dropout is ignored and the layers keep 0.
+
+Documents are told apart by segment ids, [batch, len] ints: 1, 2, ... for the documents packed
+into a row and 0 for padding. Attention never crosses a document boundary, positions restart at
+0 for each document (derived from the segment ids unless given), and the classifier pools and
+predicts per document: logits [batch, max_docs, num_labels], where document d of a row is the
+tokens with segment id d + 1.
+
+One `impl` field reaches every attention layer. Parameters carry logical axis names ("vocab",
+"embed", "mlp", "heads", "kv_heads", "head_dim"); activations are constrained to
+("batch", "length", "embed").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from flash_layers.layers import MultiHeadAttention
+
+POOLINGS = ("cls", "mean")
+REMAT_POLICIES: dict[str, Callable | None] = {
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "dots_with_no_batch_dims_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "everything_saveable": jax.checkpoint_policies.everything_saveable,
+}
+ACTIVATION_AXES = ("batch", "length", "embed")
+
+
+def _init(stddev: float, axes: tuple):
+  return nn.with_logical_partitioning(nn.initializers.normal(stddev), axes)
+
+
+def _constant(value: float, axes: tuple):
+  return nn.with_logical_partitioning(nn.initializers.constant(value), axes)
+
+
+def positions_from_segments(segment_ids: jax.Array) -> jax.Array:
+  """Position of each token within its document: 0 where the segment id changes, then counting."""
+  length = segment_ids.shape[-1]
+  index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), segment_ids.shape)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  start_index = jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+  return index - start_index
+
+
+def document_mask(segment_ids: jax.Array, max_docs: int) -> jax.Array:
+  """[batch, max_docs, len] bool: token l belongs to document d (segment id d + 1)."""
+  docs = jnp.arange(1, max_docs + 1, dtype=segment_ids.dtype)
+  return segment_ids[:, None, :] == docs[None, :, None]
+
+
+class Block(nn.Module):
+  """A post-LN transformer block: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
+
+  num_heads: int
+  mlp_dim: int
+  impl: str
+  dropout_rate: float
+  layer_norm_eps: float
+  initializer_range: float
+  dtype: Any
+  param_dtype: Any
+
+  def _norm(self, name):
+    return nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype,
+                        scale_init=_constant(1.0, ("embed",)), bias_init=_constant(0.0, ("embed",)),
+                        name=name)
+
+  def _dense(self, name, features, axes):
+    return nn.Dense(features, dtype=self.dtype, param_dtype=self.param_dtype,
+                    kernel_init=_init(self.initializer_range, axes),
+                    bias_init=_constant(0.0, axes[1:]), name=name)
+
+  @nn.compact
+  def __call__(self, x, segment_ids, deterministic: bool):
+    hidden = x.shape[-1]
+    attn = MultiHeadAttention(num_heads=self.num_heads, impl=self.impl, dtype=self.dtype,
+                              param_dtype=self.param_dtype, use_bias=True,
+                              kernel_init=nn.initializers.normal(self.initializer_range),
+                              name="attention")
+    y = attn(x, segment_ids=segment_ids, deterministic=deterministic)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    x = self._norm("attention_norm")(x + y)
+    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+    y = self._dense("mlp_in", self.mlp_dim, ("embed", "mlp"))(x)
+    y = jax.nn.gelu(y, approximate=False)
+    y = self._dense("mlp_out", hidden, ("mlp", "embed"))(y)
+    y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
+    x = self._norm("mlp_norm")(x + y)
+    return nn.with_logical_constraint(x, ACTIVATION_AXES)
+
+
+class Bert(nn.Module):
+  """BERT encoder with document-classification and masked-LM heads.
+
+  Attributes:
+    vocab_size, hidden_size, num_layers, num_heads, mlp_dim, type_vocab_size, layer_norm_eps,
+      initializer_range: as BERT's config (intermediate_size is mlp_dim).
+    max_len: rows of the learned position table = the longest input.
+    num_labels: classes of the classification head; None for no head.
+    pooling: "cls" ([CLS] token of each document through BERT's tanh pooler) or "mean" (mean of
+      each document's hidden states, as sentence-transformers).
+    impl: attention implementation of every layer: "auto" or one of `fl.IMPLS`.
+    dropout_rate: hidden dropout (BERT's hidden_dropout_prob); active when deterministic=False.
+    dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: of the parameters.
+    remat: rematerialize each block in the backward pass, saving what `remat_policy` (a name in
+      REMAT_POLICIES) allows.
+    mlm_head: build the masked-LM head (transform + LayerNorm + output bias, decoder tied to the
+      word embeddings).
+  """
+
+  vocab_size: int
+  hidden_size: int = 768
+  num_layers: int = 12
+  num_heads: int = 12
+  mlp_dim: int = 3072
+  max_len: int = 512
+  type_vocab_size: int = 2
+  layer_norm_eps: float = 1e-12
+  initializer_range: float = 0.02
+  num_labels: int | None = None
+  pooling: str = "cls"
+  impl: str = "auto"
+  dropout_rate: float = 0.1
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+  remat: bool = False
+  remat_policy: str = "nothing_saveable"
+  mlm_head: bool = False
+
+  def __post_init__(self):
+    for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_len",
+                 "type_vocab_size"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if self.hidden_size % self.num_heads:
+      raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
+                       f"({self.num_heads})")
+    if self.num_labels is not None and (isinstance(self.num_labels, bool) or
+                                        not isinstance(self.num_labels, int) or self.num_labels < 1):
+      raise ValueError(f"num_labels must be a positive int or None; got {self.num_labels!r}")
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"pooling must be one of {POOLINGS}; got {self.pooling!r}")
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}; got {self.remat_policy!r}")
+    if not 0 <= self.dropout_rate < 1:
+      raise ValueError(f"dropout_rate must be in [0, 1); got {self.dropout_rate!r}")
+    super().__post_init__()
+
+  def setup(self):
+    emb = lambda n, axes, name: nn.Embed(n, self.hidden_size, dtype=self.dtype,
+                                         param_dtype=self.param_dtype,
+                                         embedding_init=_init(self.initializer_range, axes), name=name)
+    self.word_embeddings = emb(self.vocab_size, ("vocab", "embed"), "word_embeddings")
+    self.position_embeddings = emb(self.max_len, (None, "embed"), "position_embeddings")
+    self.token_type_embeddings = emb(self.type_vocab_size, (None, "embed"), "token_type_embeddings")
+    self.embeddings_norm = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype,
+                                        param_dtype=self.param_dtype,
+                                        scale_init=_constant(1.0, ("embed",)),
+                                        bias_init=_constant(0.0, ("embed",)))
+    block = Block
+    if self.remat:
+      # Argument 3 (counting self) is `deterministic`, a Python bool.
+      block = nn.remat(Block, policy=REMAT_POLICIES[self.remat_policy], static_argnums=(3,))
+    self.layers = [block(num_heads=self.num_heads, mlp_dim=self.mlp_dim, impl=self.impl,
+                         dropout_rate=self.dropout_rate, layer_norm_eps=self.layer_norm_eps,
+                         initializer_range=self.initializer_range, dtype=self.dtype,
+                         param_dtype=self.param_dtype)
+                   for _ in range(self.num_layers)]
+    self.dropout = nn.Dropout(self.dropout_rate)
+    dense = lambda n, axes: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,
+                                     kernel_init=_init(self.initializer_range, axes),
+                                     bias_init=_constant(0.0, axes[1:]))
+    if self.num_labels is not None:
+      if self.pooling == "cls":
+        self.pooler = dense(self.hidden_size, ("embed", None))
+      self.classifier = dense(self.num_labels, ("embed", None))
+    if self.mlm_head:
+      self.mlm_transform = dense(self.hidden_size, ("embed", None))
+      self.mlm_norm = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype,
+                                   param_dtype=self.param_dtype,
+                                   scale_init=_constant(1.0, ("embed",)),
+                                   bias_init=_constant(0.0, ("embed",)))
+      self.mlm_bias = self.param("mlm_bias", _constant(0.0, ("vocab",)), (self.vocab_size,),
+                                 self.param_dtype)
+
+  def _check_inputs(self, input_ids, segment_ids, positions, token_type_ids):
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+      raise ValueError(f"input_ids must be an int array [batch, len]; got {input_ids.dtype}{input_ids.shape}")
+    if input_ids.shape[1] > self.max_len:
+      raise ValueError(f"input length {input_ids.shape[1]} exceeds max_len={self.max_len} (the "
+                       "position table); load with a larger max_len to extend it")
+    for name, x in (("segment_ids", segment_ids), ("positions", positions),
+                    ("token_type_ids", token_type_ids)):
+      if x is not None and tuple(x.shape) != tuple(input_ids.shape):
+        raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}; "
+                         f"got {tuple(x.shape)}")
+
+  def encode(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
+             positions: jax.Array | None = None, token_type_ids: jax.Array | None = None,
+             deterministic: bool = True) -> jax.Array:
+    """Last hidden states [batch, len, hidden_size].
+
+    segment_ids: [batch, len], documents 1, 2, ..., padding 0; None = one document per row, no
+      padding. positions: [batch, len]; None = from segment_ids. token_type_ids: None = zeros.
+    """
+    self._check_inputs(input_ids, segment_ids, positions, token_type_ids)
+    if segment_ids is None:
+      segment_ids = jnp.ones(input_ids.shape, jnp.int32)
+    segment_ids = segment_ids.astype(jnp.int32)
+    if positions is None:
+      positions = positions_from_segments(segment_ids)
+    if token_type_ids is None:
+      token_type_ids = jnp.zeros_like(input_ids)
+    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+         + self.token_type_embeddings(token_type_ids))
+    x = self.embeddings_norm(x)
+    x = self.dropout(x, deterministic=deterministic)
+    x = nn.with_logical_constraint(x, ACTIVATION_AXES)
+    for layer in self.layers:
+      x = layer(x, segment_ids, deterministic)
+    return x
+
+  def pool(self, hidden: jax.Array, segment_ids: jax.Array, max_docs: int) -> jax.Array:
+    """One vector per document: [batch, max_docs, hidden_size] (zeros for absent documents)."""
+    mask = document_mask(segment_ids.astype(jnp.int32), max_docs)
+    present = mask.any(axis=-1, keepdims=True)
+    if self.pooling == "mean":
+      weights = mask.astype(jnp.float32)
+      total = jnp.einsum("bdl,blh->bdh", weights, hidden.astype(jnp.float32))
+      pooled = total / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
+      return jnp.where(present, pooled, 0.0).astype(hidden.dtype)
+    first = jnp.argmax(mask, axis=-1)  # index of each document's first token, its [CLS]
+    cls = jnp.take_along_axis(hidden, first[..., None], axis=1)
+    return jnp.where(present, jnp.tanh(self.pooler(cls)), 0)
+
+  def classify(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
+               max_docs: int = 1, deterministic: bool = True) -> jax.Array:
+    """Logits [batch, max_docs, num_labels]; document d of a row is segment id d + 1."""
+    if self.num_labels is None:
+      raise ValueError("this model has no classification head; build it with num_labels=")
+    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    if segment_ids is None:
+      segment_ids = jnp.ones(input_ids.shape, jnp.int32)
+    pooled = self.pool(hidden, segment_ids, max_docs)
+    pooled = self.dropout(pooled, deterministic=deterministic)
+    return self.classifier(pooled).astype(jnp.float32)
+
+  def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
+          positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
+          deterministic: bool = True) -> jax.Array:
+    """Masked-LM logits [batch, len, vocab_size] (decoder tied to the word embeddings)."""
+    if not self.mlm_head:
+      raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
+    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    x = self.mlm_norm(jax.nn.gelu(self.mlm_transform(hidden), approximate=False))
+    return (self.word_embeddings.attend(x) + self.mlm_bias).astype(jnp.float32)
+
+  def __call__(self, input_ids, segment_ids=None, positions=None, token_type_ids=None, *,
+               max_docs: int = 1, deterministic: bool = True):
+    return self.classify(input_ids, segment_ids, positions, token_type_ids, max_docs=max_docs,
+                         deterministic=deterministic)
+
+  def init_everything(self, input_ids):
+    """For `init`: touches every parameter (encoder and whichever heads the model has)."""
+    hidden = self.encode(input_ids)
+    outs = [hidden]
+    if self.num_labels is not None:
+      outs.append(self.classify(input_ids))
+    if self.mlm_head:
+      outs.append(self.mlm(input_ids))
+    return outs
+
+
+def init_params(model: Bert, rng: jax.Array, *, boxed: bool = False):
+  """Random parameters for `model` (every head included); `boxed` keeps the logical-axis boxes."""
+  variables = model.init(rng, jnp.zeros((1, 8), jnp.int32), method=model.init_everything)
+  params = variables["params"]
+  return params if boxed else nn.meta.unbox(params)
+
+
+def param_axes(model: Bert):
+  """The parameters' logical axis names, as a tree of `jax.sharding.PartitionSpec` (no compute)."""
+  boxed = jax.eval_shape(lambda r: init_params(model, r, boxed=True), jax.random.key(0))
+  return nn.get_partition_spec(boxed)
