@@ -1,17 +1,604 @@
-"""Placeholder until the Triton kernels land (issue: flash_pallas on GPU)."""
+"""flash_pallas on the GPU: our own Pallas flash-attention kernels, lowered through Triton.
+
+The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
+
+* Forward: one program per (q block, batch * head). The program keeps its q tile
+  in registers and loops (`lax.fori_loop`, an `scf.for` in Triton) over the kv
+  blocks that the mask makes visible to it, taken from `masks.block_map`: blocks
+  no query of the tile can see are never loaded. Softmax is online, in float32
+  and in base 2 (`exp2` is one instruction): a running row max `m`, a running
+  denominator and an unnormalised accumulator, rescaled whenever the max
+  grows. It writes the output and the row logsumexp (natural log, `-inf` for a
+  row that sees no key; its output is zeros).
+* Backward (custom VJP, from the saved logsumexp, nothing of size q x kv kept):
+  P is recomputed tile by tile as exp(s - lse). With D_i = rowsum(dO * O)_i -
+  dlse_i (the cotangent of lse enters here, so ring attention can differentiate
+  through it), dS = P * (dP - D) where dP = dO V^T. Two kernels, neither needs
+  atomics:
+    - dK/dV: one program per (kv block, batch * kv head). It loops over the
+      query heads of its GQA group and, per head, over the q blocks that see the
+      kv block (`q_index`/`q_count` of the block map), accumulating dV += P^T dO
+      and dK += dS^T Q in float32. A group's heads sum inside the program, so K/V
+      are never repeated and no reduction over heads follows.
+    - dQ: one program per (q block, batch * head), looping over visible kv
+      blocks like the forward: dQ += dS K.
+* GQA: program (.., b * h) reads kv head h // (num_heads // num_kv_heads).
+* Any length: q and kv are padded inside to a block multiple; padded keys are
+  masked; padded query rows are computed and dropped.
+* head_dim 16..256: padded to a power of two (what `tl.dot` wants); the zero
+  columns change neither logits nor outputs.
+* Masks: positions are global (`q_offset`/`kv_offset`, possibly traced, come in
+  as a tiny int32 array), and the element predicate inside a tile is
+  `masks.visible` itself, the one definition every impl uses.
+
+Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
+GPU generation and head_dim, and can be overridden per call with
+`fl.attention(..., block_sizes=GpuBlockSizes(...))` (or a dict of fields).
+"""
 
 from __future__ import annotations
 
-from flash_layers.impls.base import UnsupportedError
+import dataclasses
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flash_layers import masks
+from flash_layers.impls.base import Args, Request
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+MAX_HEAD_DIM = 256
+# CUDA limits grid dimensions y and z to 65535; batch * heads runs on y.
+MAX_GRID_Y = 65535
+# `tl.dot` needs every matmul dimension >= 16.
+MIN_TILE = 16
 
 
-def unsupported(request):
-  return "flash_pallas GPU kernels (not built yet)"
+# ----------------------------------------------------------------------------
+# Configuration: one table for every GPU generation we tune for
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class GpuBlockSizes:
+  """Tiles and launch parameters of the GPU kernels (all block sizes powers of two >= 16).
+
+  block_q / block_kv:          forward tile (queries per program, keys per loop step)
+  block_q_bwd / block_kv_bwd:  tile of both backward kernels (dK/dV and dQ)
+  num_warps / num_stages:      forward launch: warps per program, software-pipeline depth
+  num_warps_bwd / num_stages_bwd: the same for the backward kernels
+  """
+
+  block_q: int = 128
+  block_kv: int = 64
+  block_q_bwd: int = 64
+  block_kv_bwd: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+  num_warps_bwd: int = 4
+  num_stages_bwd: int = 2
+
+  def __post_init__(self):
+    for field in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < MIN_TILE or value & (value - 1):
+        raise ValueError(f"GpuBlockSizes.{field} must be a power of two >= {MIN_TILE}; got {value!r}")
+    for field in ("num_warps", "num_warps_bwd"):
+      value = getattr(self, field)
+      if value not in (1, 2, 4, 8, 16):
+        raise ValueError(f"GpuBlockSizes.{field} must be one of 1, 2, 4, 8, 16; got {value!r}")
+    for field in ("num_stages", "num_stages_bwd"):
+      value = getattr(self, field)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"GpuBlockSizes.{field} must be an int >= 1; got {value!r}")
 
 
-def block_shape(request, platform):
-  return (128, 128)
+# (generation, largest head_dim of the bucket) -> defaults. Starting points from
+# the usual FlashAttention-2 Triton settings, sized to each generation's shared
+# memory (Hopper: 227 KiB per block, A100: 163 KiB, consumer Ampere/Ada: 99 KiB,
+# hence the smaller "ampere" stages). Not yet tuned on hardware: see the README.
+#
+#   gen     head_dim  fwd q x kv  warps stages | bwd q x kv  warps stages
+#   hopper    <=64     128 x 64     4     3    |   64 x 64     4     2
+#   hopper   <=128     128 x 64     8     3    |   64 x 64     8     2
+#   hopper   <=256      64 x 32     8     2    |   32 x 32     8     1
+#   ampere    <=64     128 x 64     4     3    |   64 x 64     4     2
+#   ampere   <=128     128 x 32     8     2    |   64 x 32     8     1
+#   ampere   <=256      64 x 32     8     1    |   32 x 32     4     1
+CONFIG_TABLE: dict[tuple[str, int], GpuBlockSizes] = {
+    ("hopper", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 2),
+    ("hopper", 128): GpuBlockSizes(128, 64, 64, 64, 8, 3, 8, 2),
+    ("hopper", 256): GpuBlockSizes(64, 32, 32, 32, 8, 2, 8, 1),
+    ("ampere", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 2),
+    ("ampere", 128): GpuBlockSizes(128, 32, 64, 32, 8, 2, 8, 1),
+    ("ampere", 256): GpuBlockSizes(64, 32, 32, 32, 8, 1, 4, 1),
+}
 
 
-def flash_attention(q, k, v, *, request, args, interpret):
-  raise UnsupportedError("flash_pallas GPU kernels are not built yet")
+@functools.cache
+def gpu_generation() -> str:
+  """'hopper' (sm_90+) or 'ampere' (sm_8x) from the local GPU; 'hopper' when there is none."""
+  try:
+    device = jax.local_devices(backend="gpu")[0]
+  except RuntimeError:
+    return "hopper"
+  capability = str(getattr(device, "compute_capability", "9.0"))
+  try:
+    major = int(capability.split(".")[0])
+  except ValueError:
+    return "hopper"
+  return "ampere" if major < 9 else "hopper"
+
+
+def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
+  """Apply `request.block_sizes`: a GpuBlockSizes, a mapping of fields, or None."""
+  if block_sizes is None:
+    return base
+  if isinstance(block_sizes, GpuBlockSizes):
+    return block_sizes
+  if isinstance(block_sizes, Mapping):
+    fields = {f.name for f in dataclasses.fields(GpuBlockSizes)}
+    unknown = sorted(set(block_sizes) - fields)
+    if unknown:
+      raise ValueError(f"block_sizes has unknown GPU fields {unknown}; allowed: {sorted(fields)}")
+    return dataclasses.replace(base, **block_sizes)
+  raise TypeError("block_sizes for the flash_pallas GPU kernels must be a GpuBlockSizes or a dict of "
+                  f"its fields; got {type(block_sizes).__name__}")
+
+
+def _fit(block: int, length: int) -> int:
+  """Shrink a tile for short sequences (a 7-token call needs no 128-row tile)."""
+  return max(MIN_TILE, min(block, pl.next_power_of_2(length)))
+
+
+def config(request: Request) -> GpuBlockSizes:
+  """The table entry for this GPU and head_dim, overridden by request.block_sizes, fit to the lengths."""
+  head_dim = max(request.head_dim, request.head_dim_v)
+  bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
+  cfg = _override(CONFIG_TABLE[(gpu_generation(), bucket)], request.block_sizes)
+  return dataclasses.replace(
+      cfg, block_q=_fit(cfg.block_q, request.q_len), block_kv=_fit(cfg.block_kv, request.kv_len),
+      block_q_bwd=_fit(cfg.block_q_bwd, request.q_len),
+      block_kv_bwd=_fit(cfg.block_kv_bwd, request.kv_len))
+
+
+# ----------------------------------------------------------------------------
+# The family interface (see flash_pallas/__init__.py)
+# ----------------------------------------------------------------------------
+
+def unsupported(request: Request) -> str | None:
+  """The first feature of `request` these kernels cannot serve, or None."""
+  if request.has_dense_mask:
+    return "dense mask"
+  if request.dtype not in SUPPORTED_DTYPES:
+    return f"dtype {request.dtype} (GPU kernels take {', '.join(SUPPORTED_DTYPES)})"
+  if max(request.head_dim, request.head_dim_v) > MAX_HEAD_DIM:
+    return f"head_dim > {MAX_HEAD_DIM}"
+  if request.batch * request.num_heads > MAX_GRID_Y:
+    return f"batch * num_heads > {MAX_GRID_Y}"
+  return None
+
+
+def block_shape(request: Request, platform: str) -> tuple[int, int]:
+  """(block_q, block_kv) of the forward kernel, for explain()'s block counts."""
+  del platform  # One table; the generation comes from the local GPU (Hopper without one).
+  cfg = config(request)
+  return cfg.block_q, cfg.block_kv
+
+
+# ----------------------------------------------------------------------------
+# Static description of one call (hashable: it is a custom_vjp nondiff argument)
+# ----------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  q_len: int
+  kv_len: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  head_dim_v: int
+  spec: masks.MaskSpec
+  has_segments: bool
+  scale: float
+  softcap: float | None
+  cfg: GpuBlockSizes
+  interpret: bool
+
+  @property
+  def group(self) -> int:
+    return self.num_heads // self.num_kv_heads
+
+  @property
+  def q_pad(self) -> int:  # padded q length: a multiple of every q tile
+    return _round_up(self.q_len, max(self.cfg.block_q, self.cfg.block_q_bwd))
+
+  @property
+  def kv_pad(self) -> int:
+    return _round_up(self.kv_len, max(self.cfg.block_kv, self.cfg.block_kv_bwd))
+
+  @property
+  def d_pad(self) -> int:
+    return max(MIN_TILE, pl.next_power_of_2(self.head_dim))
+
+  @property
+  def dv_pad(self) -> int:
+    return max(MIN_TILE, pl.next_power_of_2(self.head_dim_v))
+
+  @property
+  def needs_mask(self) -> bool:
+    """Whether tiles need the element mask at all (else every loaded pair is visible)."""
+    return (self.spec.causal or self.spec.window is not None or self.has_segments
+            or self.kv_len != self.kv_pad)
+
+
+def _round_up(x: int, multiple: int) -> int:
+  return -(-x // multiple) * multiple
+
+
+# ----------------------------------------------------------------------------
+# The tile computation shared by all three kernels
+# ----------------------------------------------------------------------------
+
+def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, offsets_ref,
+                 q_seg, kv_seg):
+  """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
+
+  Returns (s2, tanh_t): s2 = logits * log2(e) in float32; tanh_t is tanh(x / softcap)
+  (needed by the backward's chain rule) or None without softcap.
+  """
+  raw = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  tanh_t = None
+  if st.softcap is None:
+    s2 = raw * (st.scale * LOG2E)
+  else:
+    tanh_t = jnp.tanh(raw * (st.scale / st.softcap))
+    s2 = tanh_t * (st.softcap * LOG2E)
+  if st.needs_mask:
+    q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+    q_pos = (offsets_ref[0] + q_local)[:, None]
+    kv_pos = (offsets_ref[1] + kv_local)[None, :]
+    ok = masks.visible(q_pos, kv_pos, st.spec,
+                       None if q_seg is None else q_seg[:, None],
+                       None if kv_seg is None else kv_seg[None, :])
+    if st.kv_len != st.kv_pad:
+      ok = ok & (kv_local < st.kv_len)[None, :]
+    s2 = jnp.where(ok, s2, -jnp.inf)
+  return s2, tanh_t
+
+
+def _grad_logits(st: _Static, p, dp, delta, tanh_t):
+  """dS for one tile: P * (dP - D), through the softcap's tanh when there is one."""
+  ds = p * (dp - delta[:, None])
+  if tanh_t is not None:
+    ds = ds * (1.0 - tanh_t * tanh_t)
+  return ds
+
+
+# ----------------------------------------------------------------------------
+# Forward kernel
+# ----------------------------------------------------------------------------
+
+def _forward_kernel(st: _Static, *refs):
+  """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
+  (offsets_ref, kv_index_ref, kv_count_ref), refs = refs[:3], refs[3:]
+  if st.has_segments:
+    (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
+  q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+  block_q, block_kv = st.cfg.block_q, st.cfg.block_kv
+  q_block, bh = pl.program_id(0), pl.program_id(1)
+  map_row = bh // st.num_heads if st.has_segments else 0  # block map batch row
+
+  q = q_ref[...]
+  q_seg = q_seg_ref[...] if st.has_segments else None
+
+  def visit(step, carry):
+    acc, m, denom = carry
+    kv_block = kv_index_ref[map_row, q_block, step]
+    kv_slice = pl.ds(kv_block * block_kv, block_kv)
+    kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
+    s2, _ = _tile_logits(st, q, k_ref[kv_slice, :], q_block, kv_block, block_q, block_kv,
+                         offsets_ref, q_seg, kv_seg)
+    m_new = jnp.maximum(m, s2.max(axis=-1))
+    # A row that has seen only masked keys keeps m = -inf; subtracting 0 instead
+    # keeps exp2 at exp2(-inf) = 0 rather than exp2(nan).
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    rescale = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s2 - m_safe[:, None])
+    v = v_ref[kv_slice, :]
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    return acc * rescale[:, None] + pv, m_new, denom * rescale + p.sum(axis=-1)
+
+  init = (jnp.zeros((block_q, st.dv_pad), jnp.float32),
+          jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
+  acc, m, denom = lax.fori_loop(0, kv_count_ref[map_row, q_block], visit, init)
+
+  seen = denom > 0  # False for a row that sees no key: zeros out, lse = -inf
+  denom = jnp.where(seen, denom, 1.0)
+  o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, (m + jnp.log2(denom)) * LN2, -jnp.inf)
+
+
+# ----------------------------------------------------------------------------
+# Backward kernels
+# ----------------------------------------------------------------------------
+
+def _dkv_kernel(st: _Static, *refs):
+  """One program: kv block `program_id(0)` of (batch, kv head) `program_id(1)`."""
+  (offsets_ref, q_index_ref, q_count_ref), refs = refs[:3], refs[3:]
+  if st.has_segments:
+    (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
+  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
+  block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
+  kv_block, bkv = pl.program_id(0), pl.program_id(1)
+  map_row = bkv // st.num_kv_heads if st.has_segments else 0
+
+  k, v = k_ref[...], v_ref[...]
+  kv_seg = kv_seg_ref[...] if st.has_segments else None
+  num_q_blocks = q_count_ref[map_row, kv_block]
+
+  def per_head(head, carry):  # head: index within this kv head's query group
+    def visit(step, carry):
+      dk, dv = carry
+      q_block = q_index_ref[map_row, kv_block, step]
+      q_slice = pl.ds(q_block * block_q, block_q)
+      q = q_ref[q_slice, head, :]
+      q_seg = q_seg_ref[q_slice] if st.has_segments else None
+      s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, offsets_ref,
+                                q_seg, kv_seg)
+      # lse2 is +inf for rows that see no key, so their p is exactly 0.
+      p = jnp.exp2(s2 - lse2_ref[head, q_slice][:, None])
+      do = do_ref[q_slice, head, :]
+      dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+      dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      ds = _grad_logits(st, p, dp, delta_ref[head, q_slice], tanh_t)
+      dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+      return dk, dv
+
+    return lax.fori_loop(0, num_q_blocks, visit, carry)
+
+  init = (jnp.zeros((block_kv, st.d_pad), jnp.float32), jnp.zeros((block_kv, st.dv_pad), jnp.float32))
+  dk, dv = lax.fori_loop(0, st.group, per_head, init)
+  dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _dq_kernel(st: _Static, *refs):
+  """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
+  (offsets_ref, kv_index_ref, kv_count_ref), refs = refs[:3], refs[3:]
+  if st.has_segments:
+    (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
+  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
+  block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
+  q_block, bh = pl.program_id(0), pl.program_id(1)
+  map_row = bh // st.num_heads if st.has_segments else 0
+
+  q, do = q_ref[...], do_ref[...]
+  lse2, delta = lse2_ref[...], delta_ref[...]
+  q_seg = q_seg_ref[...] if st.has_segments else None
+
+  def visit(step, dq):
+    kv_block = kv_index_ref[map_row, q_block, step]
+    kv_slice = pl.ds(kv_block * block_kv, block_kv)
+    kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
+    k = k_ref[kv_slice, :]
+    s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, offsets_ref,
+                              q_seg, kv_seg)
+    p = jnp.exp2(s2 - lse2[:, None])
+    dp = lax.dot_general(do, v_ref[kv_slice, :], (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32)
+    ds = _grad_logits(st, p, dp, delta, tanh_t)
+    return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+
+  dq = lax.fori_loop(0, kv_count_ref[map_row, q_block], visit,
+                     jnp.zeros((block_q, st.d_pad), jnp.float32))
+  dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+
+
+# ----------------------------------------------------------------------------
+# pallas_call wrappers (arrays already padded)
+# ----------------------------------------------------------------------------
+
+def _visible_fraction(st: _Static) -> float:
+  """A static guess of the visible share of q x kv for the cost estimate."""
+  return 0.5 if st.spec.causal else 1.0
+
+
+def _mask_inputs(st: _Static, bmap_index, bmap_count, offsets, q_seg, kv_seg, *, by_q: bool,
+                 block_q: int, block_kv: int, heads: int):
+  """Inputs and BlockSpecs shared by the three kernels: offsets, block map, segment ids.
+
+  The block map and offsets are small and read as scalars (Triton has no scalar
+  prefetch), so they are passed whole.
+  """
+  whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731
+  arrays = [offsets, bmap_index, bmap_count]
+  specs = [whole(offsets), whole(bmap_index), whole(bmap_count)]
+  if st.has_segments:
+    arrays += [q_seg, kv_seg]
+    if by_q:  # program (q block, b * heads): its q ids, the whole kv row
+      specs += [pl.BlockSpec((None, block_q), lambda i, j: (j // heads, i)),
+                pl.BlockSpec((None, st.kv_pad), lambda i, j: (j // heads, 0))]
+    else:  # program (kv block, b * kv heads): the whole q row, its kv ids
+      specs += [pl.BlockSpec((None, st.q_pad), lambda i, j: (j // heads, 0)),
+                pl.BlockSpec((None, block_kv), lambda i, j: (j // heads, i))]
+  return arrays, specs
+
+
+def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets):
+  batch = q.shape[0]
+  h, g = st.num_heads, st.group
+  cfg = st.cfg
+  num_q_blocks = -(-st.q_len // cfg.block_q)
+  arrays, specs = _mask_inputs(st, bmap.kv_index, bmap.kv_count, offsets, q_seg, kv_seg, by_q=True,
+                               block_q=cfg.block_q, block_kv=cfg.block_kv, heads=h)
+  specs += [
+      pl.BlockSpec((None, cfg.block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
+      pl.BlockSpec((None, st.kv_pad, None, st.d_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, st.kv_pad, None, st.dv_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+  ]
+  out_specs = [
+      pl.BlockSpec((None, cfg.block_q, None, st.dv_pad), lambda i, j: (j // h, i, j % h, 0)),
+      pl.BlockSpec((None, None, cfg.block_q), lambda i, j: (j // h, j % h, i)),
+  ]
+  out_shape = [jax.ShapeDtypeStruct((batch, st.q_pad, h, st.dv_pad), q.dtype),
+               jax.ShapeDtypeStruct((batch, h, st.q_pad), jnp.float32)]
+  pairs = batch * h * st.q_len * st.kv_len * _visible_fraction(st)
+  cost = pl.CostEstimate(
+      flops=int(2 * pairs * (st.head_dim + st.head_dim_v)),
+      transcendentals=int(pairs * (2 if st.softcap else 1)),
+      bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in (q, k, v)) * 2))
+  return pl.pallas_call(
+      functools.partial(_forward_kernel, st), grid=(num_q_blocks, batch * h),
+      in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+      cost_estimate=cost, interpret=st.interpret, name="flash_pallas_gpu_forward",
+  )(*arrays, q, k, v)
+
+
+def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets, do, lse2,
+                    delta):
+  batch = q.shape[0]
+  h, kvh, g = st.num_heads, st.num_kv_heads, st.group
+  cfg = st.cfg
+  block_q, block_kv = cfg.block_q_bwd, cfg.block_kv_bwd
+  num_q_blocks = -(-st.q_len // block_q)
+  num_kv_blocks = -(-st.kv_len // block_kv)
+  params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
+  pairs = batch * h * st.q_len * st.kv_len * _visible_fraction(st)
+  io_bytes = int(sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2)
+
+  # dK/dV: program (kv block, b * kv head); Q, dO, lse, D of the group's heads stay whole.
+  arrays, specs = _mask_inputs(st, bmap.q_index, bmap.q_count, offsets, q_seg, kv_seg, by_q=False,
+                               block_q=block_q, block_kv=block_kv, heads=kvh)
+  specs += [
+      pl.BlockSpec((None, st.q_pad, g, st.d_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
+      pl.BlockSpec((None, block_kv, None, st.d_pad), lambda i, j: (j // kvh, i, j % kvh, 0)),
+      pl.BlockSpec((None, block_kv, None, st.dv_pad), lambda i, j: (j // kvh, i, j % kvh, 0)),
+      pl.BlockSpec((None, st.q_pad, g, st.dv_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
+      pl.BlockSpec((None, g, st.q_pad), lambda i, j: (j // kvh, j % kvh, 0)),
+      pl.BlockSpec((None, g, st.q_pad), lambda i, j: (j // kvh, j % kvh, 0)),
+  ]
+  dk, dv = pl.pallas_call(
+      functools.partial(_dkv_kernel, st), grid=(num_kv_blocks, batch * kvh),
+      in_specs=specs,
+      out_specs=[
+          pl.BlockSpec((None, block_kv, None, st.d_pad), lambda i, j: (j // kvh, i, j % kvh, 0)),
+          pl.BlockSpec((None, block_kv, None, st.dv_pad), lambda i, j: (j // kvh, i, j % kvh, 0)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dkv",
+      cost_estimate=pl.CostEstimate(
+          flops=int(2 * pairs * (3 * st.head_dim + st.head_dim_v + st.head_dim_v)),
+          transcendentals=int(pairs), bytes_accessed=io_bytes),
+  )(*arrays, q, k, v, do, lse2, delta)
+
+  # dQ: program (q block, b * head), looping over visible kv blocks like the forward.
+  arrays, specs = _mask_inputs(st, bmap.kv_index, bmap.kv_count, offsets, q_seg, kv_seg, by_q=True,
+                               block_q=block_q, block_kv=block_kv, heads=h)
+  specs += [
+      pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
+      pl.BlockSpec((None, st.kv_pad, None, st.d_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, st.kv_pad, None, st.dv_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, block_q, None, st.dv_pad), lambda i, j: (j // h, i, j % h, 0)),
+      pl.BlockSpec((None, None, block_q), lambda i, j: (j // h, j % h, i)),
+      pl.BlockSpec((None, None, block_q), lambda i, j: (j // h, j % h, i)),
+  ]
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, st), grid=(num_q_blocks, batch * h),
+      in_specs=specs,
+      out_specs=pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dq",
+      cost_estimate=pl.CostEstimate(
+          flops=int(2 * pairs * (2 * st.head_dim + st.head_dim_v)),
+          transcendentals=int(pairs), bytes_accessed=io_bytes),
+  )(*arrays, q, k, v, do, lse2, delta)
+  return dq, dk, dv
+
+
+# ----------------------------------------------------------------------------
+# Padding and the custom VJP
+# ----------------------------------------------------------------------------
+
+def _pad_to(x, axis: int, size: int, value=0):
+  if x.shape[axis] == size:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _pad_inputs(st: _Static, q, k, v, q_seg, kv_seg):
+  q = _pad_to(_pad_to(q, 1, st.q_pad), 3, st.d_pad)
+  k = _pad_to(_pad_to(k, 1, st.kv_pad), 3, st.d_pad)
+  v = _pad_to(_pad_to(v, 1, st.kv_pad), 3, st.dv_pad)
+  if st.has_segments:  # padded keys are masked by position; the ids there do not matter
+    q_seg, kv_seg = _pad_to(q_seg, 1, st.q_pad), _pad_to(kv_seg, 1, st.kv_pad)
+  return q, k, v, q_seg, kv_seg
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(st: _Static, q, k, v, q_seg, kv_seg, offsets):
+  return _flash_forward(st, q, k, v, q_seg, kv_seg, offsets)[0]
+
+
+def _block_map(st: _Static, block_q: int, block_kv: int, q_seg, kv_seg, offsets) -> masks.BlockMap:
+  """The shared block map for these tiles (on the unpadded segment ids)."""
+  return masks.block_map(st.q_len, st.kv_len, block_q, block_kv, st.spec, q_seg, kv_seg,
+                         offsets[0], offsets[1])
+
+
+def _flash_forward(st, q, k, v, q_seg, kv_seg, offsets):
+  bmap = _block_map(st, st.cfg.block_q, st.cfg.block_kv, q_seg, kv_seg, offsets)
+  out, lse = _forward_call(st, bmap, *_pad_inputs(st, q, k, v, q_seg, kv_seg), offsets)
+  out, lse = out[:, :st.q_len, :, :st.head_dim_v], lse[:, :, :st.q_len]
+  return (out, lse), (q, k, v, q_seg, kv_seg, offsets, out, lse)
+
+
+def _flash_backward(st, residuals, cotangents):
+  q, k, v, q_seg, kv_seg, offsets, out, lse = residuals
+  d_out, d_lse = cotangents
+  # D_i = rowsum(dO * O)_i - dlse_i: lse's own cotangent enters dS = P * (dP - D) here.
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = delta - d_lse
+  # Base-2 lse for the kernels; +inf for rows that see no key (and padded rows), so P = 0 there.
+  lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
+  qp, kp, vp, q_seg_p, kv_seg_p = _pad_inputs(st, q, k, v, q_seg, kv_seg)
+  do = _pad_to(_pad_to(d_out.astype(q.dtype), 1, st.q_pad), 3, st.dv_pad)
+  lse2 = _pad_to(lse2, 2, st.q_pad, jnp.inf)
+  delta = _pad_to(delta, 2, st.q_pad)
+  bmap = _block_map(st, st.cfg.block_q_bwd, st.cfg.block_kv_bwd, q_seg, kv_seg, offsets)
+  dq, dk, dv = _backward_calls(st, bmap, qp, kp, vp, q_seg_p, kv_seg_p, offsets, do, lse2, delta)
+  dq = dq[:, :st.q_len, :, :st.head_dim]
+  dk = dk[:, :st.kv_len, :, :st.head_dim]
+  dv = dv[:, :st.kv_len, :, :st.head_dim_v]
+  return dq, dk, dv, None, None, None
+
+
+_flash.defvjp(_flash_forward, _flash_backward)
+
+
+def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
+  """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
+  st = _Static(
+      q_len=request.q_len, kv_len=request.kv_len, num_heads=request.num_heads,
+      num_kv_heads=request.num_kv_heads, head_dim=request.head_dim, head_dim_v=request.head_dim_v,
+      spec=request.spec, has_segments=args.q_segment_ids is not None, scale=float(request.scale),
+      softcap=request.softcap, cfg=config(request), interpret=bool(interpret))
+  offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
+  return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)
