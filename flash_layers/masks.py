@@ -26,6 +26,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def normalize_window(window: int | tuple[int, int] | None) -> tuple[int, int] | None:
@@ -208,3 +209,21 @@ def block_stats(batch: int, num_heads: int, q_len: int, kv_len: int, block_q: in
   per_row = batch if bm.visible.shape[0] == 1 else 1
   visited = int(bm.blocks_visited) * per_row * num_heads
   return visited, batch * num_heads * bm.visible.shape[1] * bm.visible.shape[2]
+
+
+def count_visible(q_len: int, kv_len: int, spec: MaskSpec, q_offset: int = 0, kv_offset: int = 0) -> int:
+  """How many (query, key) pairs causal/window leave visible (static; segment ids not counted).
+
+  The closed form of summing `visible` over a [q_len, kv_len] grid, in O(q_len) NumPy, for cost
+  estimates: each query sees the keys of one interval of positions.
+  """
+  q_pos = q_offset + np.arange(q_len, dtype=np.int64)
+  lo = np.full(q_len, kv_offset, dtype=np.int64)
+  hi = np.full(q_len, kv_offset + kv_len - 1, dtype=np.int64)
+  if spec.causal:
+    hi = np.minimum(hi, q_pos)
+  if spec.window is not None:
+    left, right = spec.window
+    lo = np.maximum(lo, q_pos - left)
+    hi = np.minimum(hi, q_pos + right)
+  return int(np.maximum(hi - lo + 1, 0).sum())
