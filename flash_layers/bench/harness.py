@@ -1,0 +1,289 @@
+"""Run the benchmark grid: compile each cell, read its memory, time it, never crash.
+
+For every (impl, mask, dtype, pass) series the lengths run in ascending order.
+Each cell is compiled first (cheap at any length) so its compiled temporary
+memory is known before anything runs; it is then run only if
+
+* that memory fits the limit (the dense impls stop here at long lengths; their
+  memory is still reported, which is what the "x below reference" comparison needs),
+* its predicted time (the previous length's time scaled by the work) fits the
+  per-run limit, and
+* for flash_pallas in interpret mode (the TPU kernels on a CPU), the length is
+  within the interpret cap: the interpreter is a correctness tool, far slower
+  than any real kernel.
+
+Timing is the median over repeated runs after one warm-up run, each blocked
+with `jax.block_until_ready`. With a TPU AOT target nothing runs: each cell is
+compiled for the TPU and its memory and FLOPs are reported.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flash_layers as fl
+from flash_layers import api
+from flash_layers import platform as platform_lib
+from flash_layers.bench import cases
+from flash_layers.impls import REGISTRY
+
+LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+  """Where cells are compiled (and run): the local backend, or a TPU compiled for ahead of time."""
+
+  platform: str               # lowering platform: "cpu", "cuda", "tpu"
+  runs: bool                  # False: compile only (AOT)
+  device: Any = None          # the AOT device; None for the local default device
+  name: str = ""
+
+  @property
+  def label(self) -> str:
+    return self.name or self.platform
+
+
+def local_target() -> Target:
+  return Target(platform_lib.default_platform(), runs=True)
+
+
+def tpu_aot_target(topology: str) -> Target:
+  """A single-chip TPU from `jax.experimental.topologies` ("v5e" means "v5e:1x1"); needs libtpu."""
+  from jax.experimental import topologies
+
+  name = topology if ":" in topology else f"{topology}:1x1"
+  try:
+    desc = topologies.get_topology_desc(name, "tpu")
+  except Exception as e:  # libtpu missing, or an unknown chip name
+    raise ValueError(f"--tpu-aot {topology!r}: cannot describe TPU topology {name!r} "
+                     f"(is libtpu installed? chips like v4, v5e, v5p, v6e): {e}") from None
+  return Target("tpu", runs=False, device=desc.devices[0], name=f"tpu-aot {name}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  impls: tuple[str, ...] = tuple(fl.IMPLS)
+  lengths: tuple[int, ...] = LENGTHS
+  masks: tuple[str, ...] = cases.MASK_KINDS
+  dtypes: tuple[str, ...] = ("float32",)
+  passes: tuple[str, ...] = cases.PASSES
+  shape: cases.Shape = cases.Shape()
+  repeats: int = 5               # timed runs per cell at most
+  cell_seconds: float = 10.0     # stop repeating once the timed runs took this long (>= 2 runs)
+  max_run_seconds: float = 15.0  # don't run a cell predicted to take longer than this per run
+  mem_limit_bytes: int = 4 << 30  # don't run a cell whose compiled temp + argument memory exceeds this
+  interpret_max_len: int = 1024  # flash_pallas interpret mode: the longest length run
+
+
+def default_mem_limit() -> int:
+  """A quarter of the memory available now (the machine may be shared), at most 8 GiB."""
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    available = int(info["MemAvailable"].split()[0]) * 1024
+  except (OSError, KeyError, ValueError):
+    available = 16 << 30
+  return min(available // 4, 8 << 30)
+
+
+# ----------------------------------------------------------------------------
+# One cell
+# ----------------------------------------------------------------------------
+
+def _function(impl: str, static_kwargs: dict[str, Any], pass_: str) -> Callable:
+  """The jitted computation of a cell: attention, or its gradient w.r.t. q, k and v."""
+
+  def forward(q, k, v, segment_ids):
+    return fl.attention(q, k, v, impl=impl, segment_ids=segment_ids, **static_kwargs)
+
+  if pass_ == "fwd":
+    return jax.jit(forward)
+
+  def loss(q, k, v, segment_ids, cotangent):
+    out = forward(q, k, v, segment_ids)
+    return jnp.sum(out.astype(jnp.float32) * cotangent.astype(jnp.float32))
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _abstract(x, target: Target):
+  if x is None:
+    return None
+  sharding = None if target.device is None else jax.sharding.SingleDeviceSharding(target.device)
+  return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=sharding)
+
+
+def _compile(fn, args, target: Target):
+  if target.runs:
+    return fn.lower(*args).compile()
+  abstract = [_abstract(a, target) for a in args]
+  return fn.trace(*abstract).lower(lowering_platforms=(target.platform,)).compile()
+
+
+def _time(compiled, args, config: Config) -> tuple[float, int]:
+  """(median seconds, runs) after one warm-up run."""
+  jax.block_until_ready(compiled(*args))
+  times = []
+  while len(times) < config.repeats:
+    start = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    times.append(time.perf_counter() - start)
+    if len(times) >= 2 and sum(times) > config.cell_seconds:
+      break
+  return statistics.median(times), len(times)
+
+
+def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int | None, int | None]:
+  """(kernel, blocks visited, blocks total); raises UnsupportedError."""
+  if target.runs:
+    info = fl.explain(q, k, v, impl=impl, **kwargs)
+    return info.kernel, info.blocks_visited, info.blocks_total
+  # fl.explain answers for the local platform; an AOT target asks the impl about its own.
+  request, args = api.prepare(q, k, v, **kwargs)
+  name, _ = api.resolve(impl, request, target.platform)
+  chosen = REGISTRY[name]
+  stats = getattr(chosen, "block_stats", None)
+  visited, total = (stats(request, args, target.platform) or (None, None)) if stats else (None, None)
+  return chosen.kernel(request, target.platform), visited, total
+
+
+def _error_status(e: Exception) -> tuple[str, str]:
+  text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
+  if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
+    return "oom", text
+  return "error", text
+
+
+# ----------------------------------------------------------------------------
+# The grid
+# ----------------------------------------------------------------------------
+
+class _Work:
+  """Visible pairs (and ideal tile counts) per (mask, length, block), computed once."""
+
+  def __init__(self, batch: int):
+    self.batch = batch
+    self._cache: dict[tuple, tuple[int, int | None]] = {}
+
+  def __call__(self, mask: str, seq_len: int, kwargs, block=None) -> tuple[int, int | None]:
+    key = (mask, seq_len, block)
+    if key not in self._cache:
+      self._cache[key] = cases.visible_work(kwargs, self.batch, seq_len, block)
+    return self._cache[key]
+
+
+def _ideal_blocks(work: _Work, mask, seq_len, kwargs, shape, total) -> int | None:
+  """Tiles holding >= 1 visible pair at the impl's tile shape (inferred from its total)."""
+  per_row = total // (shape.batch * shape.heads)
+  side = int(round(per_row ** 0.5))
+  if side * side != per_row or seq_len % side:
+    return None  # non-square tiling: no ideal count
+  block = seq_len // side
+  _, tiles = work(mask, seq_len, kwargs, (block, block))
+  return tiles * shape.heads
+
+
+def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, config: Config,
+             target: Target, work: _Work, previous: dict | None) -> dict[str, Any]:
+  shape = config.shape
+  row: dict[str, Any] = {"impl": impl, "seq_len": seq_len, "mask": mask, "dtype": dtype,
+                         "pass": pass_, "target": target.label, "batch": shape.batch,
+                         "heads": shape.heads, "head_dim": shape.head_dim}
+  kwargs = cases.mask_kwargs(mask, shape.batch, seq_len)
+  q, k, v, cotangent = cases.inputs(shape, seq_len, dtype)
+  pairs, _ = work(mask, seq_len, kwargs)
+  row["visible_pairs"] = pairs
+  row["flops"] = cases.attention_flops(pairs, shape, pass_)
+  try:
+    kernel, visited, total = _block_stats(impl, q, k, v, kwargs, target)
+  except fl.UnsupportedError as e:
+    return row | {"status": "unsupported", "reason": str(e).splitlines()[0][:200]}
+  row |= {"kernel": kernel, "blocks_visited": visited, "blocks_total": total}
+  if visited is not None:
+    ideal = _ideal_blocks(work, mask, seq_len, kwargs, shape, total)
+    row |= {"blocks_ideal": ideal, "blocks_over_ideal": visited / ideal if ideal else None}
+
+  interpreted = "interpret" in kernel
+  if interpreted and target.runs and seq_len > config.interpret_max_len:
+    return row | {"status": "not run", "reason": f"interpret mode: lengths up to "
+                  f"{config.interpret_max_len} only"}
+
+  static = {name: val for name, val in kwargs.items() if name != "segment_ids"}
+  segment_ids = kwargs.get("segment_ids")
+  args = [q, k, v, None if segment_ids is None else jnp.asarray(segment_ids)]
+  if pass_ == "fwd+bwd":
+    args.append(cotangent)
+  try:
+    compiled = _compile(_function(impl, static, pass_), args, target)
+    memory = compiled.memory_analysis()
+    row |= {"temp_bytes": int(memory.temp_size_in_bytes),
+            "arg_bytes": int(memory.argument_size_in_bytes),
+            "out_bytes": int(memory.output_size_in_bytes)}
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    if cost and "flops" in cost:
+      row["xla_flops"] = float(cost["flops"])
+  except Exception as e:  # a cell never stops the grid
+    status, reason = _error_status(e)
+    return row | {"status": status, "reason": reason}
+  if not target.runs:
+    return row | {"status": "compiled"}
+
+  needed = row["temp_bytes"] + row["arg_bytes"]
+  if needed > config.mem_limit_bytes:
+    return row | {"status": "not run", "reason": f"compiled memory {needed / 2**30:.1f} GiB > "
+                  f"limit {config.mem_limit_bytes / 2**30:.1f} GiB"}
+  if previous is not None and previous.get("time_s"):
+    # Block-sparse impls scale with the visible work, dense ones with length squared.
+    ratio = (row["flops"] / previous["flops"] if visited is not None
+             else (seq_len / previous["seq_len"]) ** 2)
+    predicted = previous["time_s"] * ratio
+    if predicted > config.max_run_seconds:
+      return row | {"status": "not run", "reason": f"predicted {predicted:.0f} s per run > "
+                    f"{config.max_run_seconds:.0f} s"}
+  try:
+    seconds, runs = _time(compiled, args, config)
+  except Exception as e:
+    status, reason = _error_status(e)
+    return row | {"status": status, "reason": reason}
+  return row | {"status": "ok", "time_s": seconds, "runs": runs,
+                "gflops_per_s": row["flops"] / seconds / 1e9}
+
+
+def run_grid(config: Config, target: Target,
+             progress: Callable[[dict], None] | None = None) -> list[dict[str, Any]]:
+  """Every cell of the grid, in order; `progress` sees each row as it is done."""
+  work = _Work(config.shape.batch)
+  rows = []
+  for impl, mask, dtype, pass_ in _series(config):
+    previous = None
+    for seq_len in sorted(config.lengths):
+      row = run_cell(impl, seq_len, mask, dtype, pass_, config=config, target=target, work=work,
+                     previous=previous)
+      if row["status"] == "ok":
+        previous = row
+      elif row["status"] in ("not run", "oom") and previous is not None and previous.get("time_s"):
+        # Longer lengths only cost more: keep the last timed row as the basis of prediction,
+        # but make sure they are never run after a length that was not.
+        previous = previous | {"time_s": float("inf")}
+      rows.append(row)
+      if progress is not None:
+        progress(row)
+  return rows
+
+
+def _series(config: Config) -> Iterable[tuple[str, str, str, str]]:
+  for dtype in config.dtypes:
+    for pass_ in config.passes:
+      for mask in config.masks:
+        for impl in config.impls:
+          yield impl, mask, dtype, pass_

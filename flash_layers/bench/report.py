@@ -1,0 +1,111 @@
+"""Turn benchmark rows into a markdown table, a JSON file and log-log plots."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any
+
+_MIB = 2 ** 20
+
+
+def _fmt(value: Any, spec: str) -> str:
+  if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    return ""
+  return format(value, spec)
+
+
+def _blocks(row: dict[str, Any]) -> str:
+  if row.get("blocks_visited") is None:
+    return ""
+  text = f"{row['blocks_visited']}/{row['blocks_total']}"
+  if row.get("blocks_over_ideal"):
+    text += f" ({row['blocks_over_ideal']:.2f}x ideal)"
+  return text
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+  """One table; accelerator rows show TFLOP/s, CPU rows GFLOP/s."""
+  accelerated = any(r.get("target", "cpu") not in ("cpu",) for r in rows)
+  rate = "TFLOP/s" if accelerated else "GFLOP/s"
+  header = ["impl", "mask", "dtype", "pass", "len", "time ms", rate, "temp MiB", "GFLOP",
+            "blocks visited/total", "status"]
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+  for r in rows:
+    time_ms = r["time_s"] * 1e3 if r.get("time_s") else None
+    achieved = r.get("gflops_per_s")
+    if achieved is not None and accelerated:
+      achieved /= 1e3
+    temp = r["temp_bytes"] / _MIB if "temp_bytes" in r else None
+    status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
+    cells = [r["impl"], r["mask"], r["dtype"], r["pass"], str(r["seq_len"]), _fmt(time_ms, ".1f"),
+             _fmt(achieved, ".2f" if accelerated else ".1f"), _fmt(temp, ".1f"),
+             _fmt(r.get("flops", 0) / 1e9, ".2f"), _blocks(r), status.replace("|", "/")]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def write_json(rows: list[dict[str, Any]], path: str) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  with open(path, "w") as f:
+    json.dump(rows, f, indent=1)
+
+
+def plot(rows: list[dict[str, Any]], out_dir: str, *, prefix: str = "") -> list[str]:
+  """Per (dtype, pass): time and memory against length, log-log, one subplot per mask, one line per impl.
+
+  Returns the PNG paths written. Memory is plotted for every compiled cell, time only for run cells.
+  """
+  import matplotlib
+
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  groups = sorted({(r["dtype"], r["pass"]) for r in rows})
+  masks = list(dict.fromkeys(r["mask"] for r in rows))
+  impls = list(dict.fromkeys(r["impl"] for r in rows))
+  metrics = (("time", "time_s", "median time (s)"), ("memory", "temp_bytes", "compiled temp memory (MiB)"))
+  for dtype, pass_ in groups:
+    for name, field, label in metrics:
+      fig, axes = plt.subplots(1, len(masks), figsize=(3.2 * len(masks), 2.8), squeeze=False,
+                               sharey=True)
+      drawn = False
+      for ax, mask in zip(axes[0], masks, strict=True):
+        for impl in impls:
+          points = sorted((r["seq_len"], r[field]) for r in rows
+                          if (r["impl"], r["mask"], r["dtype"], r["pass"]) == (impl, mask, dtype, pass_)
+                          and r.get(field))
+          if not points:
+            continue
+          xs, ys = zip(*points, strict=True)
+          if field == "temp_bytes":
+            ys = [y / _MIB for y in ys]
+          ax.plot(xs, ys, marker="o", markersize=3, label=impl)
+          drawn = True
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(mask, fontsize=9)
+        ax.set_xlabel("sequence length", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(True, which="major", alpha=0.3)
+      if not drawn:
+        plt.close(fig)
+        continue
+      axes[0][0].set_ylabel(label, fontsize=8)
+      handles, labels = [], []
+      for ax in axes[0]:
+        for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+          if lab not in labels:
+            handles.append(h)
+            labels.append(lab)
+      fig.legend(handles, labels, loc="upper center", ncol=len(labels), fontsize=8, frameon=False)
+      fig.suptitle(f"{name}: {dtype}, {pass_}", fontsize=9, y=0.02, va="bottom")
+      fig.tight_layout(rect=(0, 0.05, 1, 0.9))
+      path = os.path.join(out_dir, f"{prefix}{name}-{dtype}-{pass_.replace('+', '_')}.png")
+      fig.savefig(path, dpi=80)
+      plt.close(fig)
+      paths.append(path)
+  return paths

@@ -1,0 +1,99 @@
+"""The benchmark command: its grid, its work counts, its outputs (never its timings)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+import flash_layers as fl
+from flash_layers.bench import __main__ as bench_main
+from flash_layers.bench import cases, harness
+
+REQUIRED = {"impl", "seq_len", "mask", "dtype", "pass", "status"}
+STATUSES = {"ok", "unsupported", "not run", "oom", "error"}
+
+
+def _numpy_visible(kind: str, batch: int, seq_len: int) -> np.ndarray:
+  """An independent statement of each mask kind, [batch, q, kv]."""
+  i = np.arange(seq_len)[:, None]
+  j = np.arange(seq_len)[None, :]
+  ok = np.ones((batch, seq_len, seq_len), dtype=bool)
+  if kind == "causal":
+    ok &= j <= i
+  if kind == "window":
+    ok &= np.abs(i - j) <= cases.WINDOW
+  if kind == "packed":
+    seg = cases.doc_segment_ids(batch, seq_len)
+    ok &= seg[:, :, None] == seg[:, None, :]
+  return ok
+
+
+@pytest.mark.parametrize("kind", cases.MASK_KINDS)
+def test_visible_work_counts_pairs_and_tiles(kind):
+  batch, seq_len, block = 2, 1024, 128
+  vis = _numpy_visible(kind, batch, seq_len)
+  pairs, tiles = cases.visible_work(cases.mask_kwargs(kind, batch, seq_len), batch, seq_len,
+                                    (block, block))
+  n = seq_len // block
+  assert pairs == vis.sum()
+  assert tiles == vis.reshape(batch, n, block, n, block).any(axis=(2, 4)).sum()
+
+
+def test_packed_documents_fill_the_row_with_bounded_lengths():
+  seg = cases.doc_segment_ids(3, 4096)
+  assert seg.shape == (3, 4096) and seg.dtype == np.int32
+  for row in seg:
+    _, lengths = np.unique(row, return_counts=True)
+    assert (np.diff(row) >= 0).all() and len(lengths) > 3
+    assert lengths[:-1].min() >= cases.DOC_LENGTHS[0] and lengths.max() <= cases.DOC_LENGTHS[1]
+
+
+def test_flops_count_two_matmuls_forward_and_five_more_halves_backward():
+  shape = cases.Shape(batch=1, heads=2, head_dim=8)
+  assert cases.attention_flops(10, shape, "fwd") == 4 * 10 * 2 * 8
+  assert cases.attention_flops(10, shape, "fwd+bwd") == 3.5 * 4 * 10 * 2 * 8
+
+
+def test_quick_grid_writes_every_cell_json_and_plots(tmp_path, capsys):
+  json_path, plot_dir = tmp_path / "rows.json", tmp_path / "plots"
+  assert bench_main.main(["--quick", "--json", str(json_path), "--plots", str(plot_dir)]) == 0
+  table = capsys.readouterr().out
+  rows = json.loads(json_path.read_text())
+  assert table.count("\n") >= len(rows)  # header + one line per row
+
+  cells = {(r["impl"], r["seq_len"], r["mask"], r["dtype"], r["pass"]) for r in rows}
+  assert cells == {(i, n, m, "float32", p) for i in fl.IMPLS for n in (128, 256)
+                   for m in cases.MASK_KINDS for p in cases.PASSES}
+  for r in rows:
+    assert r.keys() >= REQUIRED and r["status"] in STATUSES, r
+    vis = _numpy_visible(r["mask"], r["batch"], r["seq_len"])
+    assert r["visible_pairs"] == vis.sum()
+    if r["status"] == "ok":
+      assert r["time_s"] > 0 and r["runs"] >= 1 and r["temp_bytes"] >= 0
+      assert r["gflops_per_s"] == pytest.approx(r["flops"] / r["time_s"] / 1e9)
+  # The dense impls serve every mask kind here; they must have run.
+  for r in rows:
+    if r["impl"] in ("reference", "xla_native"):
+      assert r["status"] == "ok", r
+  pngs = sorted(os.listdir(plot_dir))
+  assert pngs == sorted(f"{m}-float32-{p}.png" for m in ("time", "memory") for p in ("fwd", "fwd_bwd"))
+  assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
+
+
+def test_cells_over_the_memory_limit_are_compiled_not_run():
+  config = harness.Config(impls=("reference",), lengths=(256,), masks=("full",),
+                          passes=("fwd",), shape=cases.Shape(1, 2, 16), mem_limit_bytes=1)
+  (row,) = harness.run_grid(config, harness.local_target())
+  assert row["status"] == "not run" and "memory" in row["reason"]
+  # A dense [heads, q, kv] float32 logits buffer at least.
+  assert row["temp_bytes"] >= 2 * 256 * 256 * 4
+
+
+def test_unsupported_cells_are_reported_not_raised(monkeypatch):
+  impl = fl.impls.REGISTRY["xla_native"]
+  monkeypatch.setattr(impl, "unsupported", lambda request, platform: "everything (test)")
+  config = harness.Config(impls=("xla_native",), lengths=(128,), masks=("causal",),
+                          passes=("fwd",), shape=cases.Shape(1, 1, 8))
+  (row,) = harness.run_grid(config, harness.local_target())
+  assert row["status"] == "unsupported" and "everything (test)" in row["reason"]
