@@ -231,7 +231,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               causal: bool = False, segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None,
               window: int | tuple[int, int] | None = None, scale: float | None = None,
-              softcap: float | None = None, block_sizes: Any = None) -> jax.Array:
+              softcap: float | None = None, block_sizes: Any = None, mesh: Any = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -247,6 +247,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     scale: logit scale; head_dim ** -0.5 by default.
     softcap: c > 0 -> logits = c * tanh(logits / c).
     block_sizes: flash_pallas tile sizes (see its BlockSizes); None for the defaults.
+    mesh: a `jax.sharding.Mesh` with axes from ("data", "fsdp", "tensor", "sequence")
+      (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
+      The call then runs inside `shard_map`: batch over data x fsdp, heads over
+      tensor, ring attention over sequence (`flash_layers.parallel`).
 
   Returns:
     [batch, q_len, num_heads, head_dim_v] in the query's dtype. A query that sees
@@ -256,6 +260,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
   request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
                           softcap=softcap, block_sizes=block_sizes)
+  from flash_layers.parallel import sharded  # imports this module
+
+  mesh = sharded.resolve_mesh(mesh)
+  if mesh is not None:
+    plan = sharded.make_plan(request, mesh)
+    out, _ = sharded.sharded_attend(query, key, value, impl=impl, request=request, args=args, plan=plan)
+    return out
   out, _ = attend(query, key, value, impl=impl, request=request, args=args)
   return out
 
@@ -269,6 +280,7 @@ class Explanation:
   reason: str
   blocks_visited: int | None = None
   blocks_total: int | None = None
+  sharding: str | None = None  # how a call with a mesh is split; None: one device
 
   @property
   def block_fraction(self) -> float | None:
@@ -281,20 +293,27 @@ class Explanation:
     if self.blocks_visited is not None:
       text += (f"; blocks visited {self.blocks_visited}/{self.blocks_total} "
                f"({self.block_fraction:.3f})")
+    if self.sharding is not None:
+      text += f"; {self.sharding}"
     return text
 
 
 def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
-            **kwargs: Any) -> Explanation:
+            mesh: Any = None, **kwargs: Any) -> Explanation:
   """Which impl and kernel `attention(query, key, value, impl=impl, **kwargs)` runs here, and why.
 
   Takes the same arguments as `attention` (arrays or `jax.ShapeDtypeStruct`s;
-  block counts need concrete segment ids).
+  block counts need concrete segment ids). With a mesh, the impl is the one each
+  device runs on its local shard, and `.sharding` says how the call is split.
   """
   _check_impl(impl)
   request, args = prepare(query, key, value, **kwargs)
   here = platform_lib.default_platform()
-  name, reason = resolve(impl, request, here)
+  from flash_layers.parallel import sharded  # imports this module
+
+  mesh = sharded.resolve_mesh(mesh)
+  plan = None if mesh is None else sharded.make_plan(request, mesh)
+  name, reason = resolve(impl, request if plan is None else plan.local, here)
   chosen = REGISTRY[name]
   visited = total = None
   block_stats = getattr(chosen, "block_stats", None)
@@ -302,4 +321,5 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
     stats = block_stats(request, args, here)
     if stats is not None:
       visited, total = stats
-  return Explanation(name, chosen.kernel(request, here), reason, visited, total)
+  sharding = None if plan is None else plan.describe(request)
+  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding)

@@ -1,0 +1,250 @@
+"""Ring attention over the `sequence` mesh axis (runs inside `shard_map`).
+
+Each of the n devices of the ring keeps its queries and passes its keys and
+values (and kv segment ids) to its neighbour n - 1 times with `lax.ppermute`.
+At every step it attends its queries to the K/V block it holds, with the impl
+the caller asked for and the *global* positions of both blocks (Args.q_offset /
+kv_offset), so causal masks, windows and segment ids mean what they mean in the
+unsharded call. Partial results are merged by their log-sum-exp. A step whose
+blocks cannot see each other (decided by `masks.block_map` with one block per
+shard: position arithmetic plus segment-id ranges) skips its compute.
+
+Load balance: with a causal mask a contiguous layout gives the last device n
+blocks of work and the first one. For causal calls we use the "zig-zag" layout:
+the sequence is cut into 2n chunks and device i holds chunks i and 2n-1-i, so
+every device does the same work. The arrays arrive in the contiguous layout
+`shard_map` gives; two ppermutes move them into zig-zag order and two move the
+output back.
+
+Backward is a custom VJP that runs the ring again: dq stays home, dk and dv
+travel with their K/V block and arrive home after n hops. Memory per device is
+O(len / n): the residuals are the local q, k, v, out and lse only. Each step's
+gradient comes from the impl's own VJP, fed with the share of the output
+cotangent that block produced:
+
+    out = sum_r w_r out_r,  w_r = exp(lse_r - lse)
+    d out_r = w_r d out,    d lse_r = w_r (<d out, out_r> - <d out, out> + d lse)
+
+which reproduces the global softmax gradient exactly (the impl's backward needs
+its own out_r/lse_r, so each visited step re-runs its forward once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flash_layers import masks
+from flash_layers.impls import Args, Request
+
+
+@dataclasses.dataclass(frozen=True)
+class RingConfig:
+  impl: str
+  request: Request  # one (query chunk, kv chunk) pair: the local call each step makes
+  axis: str
+  size: int
+  chunks: int  # chunks per device: 1 contiguous, 2 zig-zag
+
+
+def ring_attention(q, k, v, q_seg, kv_seg, config: RingConfig):
+  """Local blocks in (contiguous shard_map layout) -> local (out, lse) in the same layout."""
+  if config.chunks == 2:
+    q, k, v, q_seg, kv_seg = (_to_zigzag(x, config) for x in (q, k, v, q_seg, kv_seg))
+  else:
+    q, k, v, q_seg, kv_seg = ([x] for x in (q, k, v, q_seg, kv_seg))
+  out, lse = _ring(config)(q, k, v, q_seg, kv_seg)
+  if config.chunks == 2:
+    return _from_zigzag(out, config, seq_dim=1), _from_zigzag(lse, config, seq_dim=2)
+  return out[0], lse[0]
+
+
+# ----------------------------------------------------------------------------
+# Layout: which global chunk each device holds
+# ----------------------------------------------------------------------------
+
+def _zig(chunk: int, n: int) -> int:
+  """The device that holds `chunk` (of 2n) in the zig-zag layout."""
+  return chunk if chunk < n else 2 * n - 1 - chunk
+
+
+def _zigzag_perms(n: int):
+  # Contiguous: device i holds chunks 2i (first half) and 2i+1 (second half).
+  # Each half goes to its zig-zag device; both maps are permutations of the ring.
+  first = [(i, _zig(2 * i, n)) for i in range(n)]
+  second = [(i, _zig(2 * i + 1, n)) for i in range(n)]
+  return first, second
+
+
+def _to_zigzag(x, config: RingConfig, seq_dim: int = 1):
+  """[.., 2c, ..] contiguous block -> [slot 0 = chunk i, slot 1 = chunk 2n-1-i]."""
+  if x is None:
+    return [None, None]
+  first_perm, second_perm = _zigzag_perms(config.size)
+  first, second = jnp.split(x, 2, axis=seq_dim)
+  from_first = jax.lax.ppermute(first, config.axis, first_perm)
+  from_second = jax.lax.ppermute(second, config.axis, second_perm)
+  # An even device receives its own-numbered chunk (slot 0) from a first half, an odd one from a
+  # second half (see _zigzag_perms).
+  even = jax.lax.axis_index(config.axis) % 2 == 0
+  return [jnp.where(even, from_first, from_second), jnp.where(even, from_second, from_first)]
+
+
+def _from_zigzag(slots, config: RingConfig, seq_dim: int):
+  first_perm, second_perm = _zigzag_perms(config.size)
+  even = jax.lax.axis_index(config.axis) % 2 == 0
+  to_first = jnp.where(even, slots[0], slots[1])
+  to_second = jnp.where(even, slots[1], slots[0])
+  first = jax.lax.ppermute(to_first, config.axis, [(b, a) for a, b in first_perm])
+  second = jax.lax.ppermute(to_second, config.axis, [(b, a) for a, b in second_perm])
+  return jnp.concatenate([first, second], axis=seq_dim)
+
+
+def _offsets(device, config: RingConfig, chunk_len: int):
+  """Global start position of each chunk `device` holds."""
+  if config.chunks == 1:
+    return [device * chunk_len]
+  return [device * chunk_len, (2 * config.size - 1 - device) * chunk_len]
+
+
+# ----------------------------------------------------------------------------
+# One ring step
+# ----------------------------------------------------------------------------
+
+def _pair_visible(config: RingConfig, q_off, kv_off, q_seg, kv_seg):
+  """May any query of this chunk see any key of that one? (one block per chunk)."""
+  r = config.request
+  bm = masks.block_map(r.q_len, r.kv_len, r.q_len, r.kv_len, r.spec, q_seg, kv_seg, q_off, kv_off)
+  return jnp.any(bm.visible)
+
+
+def _attend_pair(config: RingConfig, q, k, v, q_seg, kv_seg, q_off, kv_off):
+  from flash_layers import api  # api imports this package lazily; avoid the cycle
+  args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=q_off, kv_offset=kv_off)
+  return api.attend(q, k, v, impl=config.impl, request=config.request, args=args)
+
+
+def _rotate(tree, config: RingConfig):
+  """Send every block to the next device of the ring."""
+  perm = [(i, (i + 1) % config.size) for i in range(config.size)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, config.axis, perm), tree)
+
+
+def _lse_weight(lse_part, lse_total):
+  """exp(lse_part - lse_total), 0 where the part saw no key (never NaN)."""
+  safe_total = jnp.where(jnp.isfinite(lse_total), lse_total, 0.0)
+  return jnp.where(jnp.isfinite(lse_part), jnp.exp(lse_part - safe_total), 0.0)
+
+
+def _rows(w):
+  """[b, h, t] per-row weights -> [b, t, h, 1] to scale outputs."""
+  return jnp.swapaxes(w, 1, 2)[..., None]
+
+
+def _merge(out_acc, lse_acc, out, lse):
+  total = jnp.logaddexp(lse_acc, lse)
+  out_acc = (out_acc * _rows(_lse_weight(lse_acc, total))
+             + out.astype(jnp.float32) * _rows(_lse_weight(lse, total)))
+  return out_acc, total
+
+
+# ----------------------------------------------------------------------------
+# The ring, forward and backward
+# ----------------------------------------------------------------------------
+
+def _ring(config: RingConfig):
+  r = config.request
+  n, chunks = config.size, config.chunks
+
+  def forward(q, k, v, q_seg, kv_seg):
+    me = jax.lax.axis_index(config.axis)
+    q_offs = _offsets(me, config, r.q_len)
+    b, t, h, _ = q[0].shape
+    dv = v[0].shape[-1]
+
+    def empty(*_):
+      return (jnp.zeros((b, t, h, dv), q[0].dtype), jnp.full((b, h, t), -jnp.inf, jnp.float32))
+
+    def compute(step, k, v, kv_seg, out_acc, lse_acc):
+      kv_offs = _offsets((me - step) % n, config, r.kv_len)
+      out_acc, lse_acc = list(out_acc), list(lse_acc)
+      for a in range(chunks):
+        for c in range(chunks):
+          qs, ks = q_seg[a], kv_seg[c]
+          part = jax.lax.cond(
+              _pair_visible(config, q_offs[a], kv_offs[c], qs, ks),
+              lambda q_, k_, v_, qs_, ks_, qo, ko: _attend_pair(config, q_, k_, v_, qs_, ks_, qo, ko),
+              empty, q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
+          out_acc[a], lse_acc[a] = _merge(out_acc[a], lse_acc[a], *part)
+      return out_acc, lse_acc
+
+    def step_fn(carry, step):
+      k, v, kv_seg, out_acc, lse_acc = carry
+      out_acc, lse_acc = compute(step, k, v, kv_seg, out_acc, lse_acc)
+      return (*_rotate((k, v, kv_seg), config), out_acc, lse_acc), None
+
+    out0 = [jnp.zeros((b, t, h, dv), jnp.float32) for _ in range(chunks)]
+    lse0 = [jnp.full((b, h, t), -jnp.inf, jnp.float32) for _ in range(chunks)]
+    (k, v, kv_seg, out_acc, lse_acc), _ = jax.lax.scan(
+        step_fn, (k, v, kv_seg, out0, lse0), jnp.arange(n - 1))
+    out_acc, lse_acc = compute(n - 1, k, v, kv_seg, out_acc, lse_acc)
+    return [o.astype(q[0].dtype) for o in out_acc], lse_acc
+
+  @jax.custom_vjp
+  def ring(q, k, v, q_seg, kv_seg):
+    return forward(q, k, v, q_seg, kv_seg)
+
+  def ring_fwd(q, k, v, q_seg, kv_seg):
+    out, lse = forward(q, k, v, q_seg, kv_seg)
+    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+
+  def ring_bwd(residuals, cotangents):
+    q, k, v, q_seg, kv_seg, out, lse = residuals
+    d_out, d_lse = cotangents
+    me = jax.lax.axis_index(config.axis)
+    q_offs = _offsets(me, config, r.q_len)
+    # <d out, out> per row, [b, h, t]: the part of d lse_r every step shares.
+    delta = [jnp.swapaxes(jnp.sum(d_out[a].astype(jnp.float32) * out[a].astype(jnp.float32), -1), 1, 2)
+             for a in range(chunks)]
+    f32_zeros = lambda xs: [jnp.zeros(x.shape, jnp.float32) for x in xs]  # noqa: E731
+
+    def pair_grads(q_a, k_c, v_c, qs, ks, qo, ko, d_out_a, delta_a, d_lse_a, lse_a):
+      (out_r, lse_r), pull = jax.vjp(
+          lambda q_, k_, v_: _attend_pair(config, q_, k_, v_, qs, ks, qo, ko), q_a, k_c, v_c)
+      w = _lse_weight(lse_r, lse_a)
+      own = jnp.swapaxes(jnp.sum(d_out_a.astype(jnp.float32) * out_r.astype(jnp.float32), -1), 1, 2)
+      grads = pull(((d_out_a.astype(jnp.float32) * _rows(w)).astype(out_r.dtype),
+                    w * (own - delta_a + d_lse_a)))
+      return tuple(g.astype(jnp.float32) for g in grads)
+
+    def no_grads(q_a, k_c, v_c, *_):
+      return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_a, k_c, v_c))
+
+    def compute(step, k, v, kv_seg, dk, dv, dq):
+      kv_offs = _offsets((me - step) % n, config, r.kv_len)
+      dk, dv, dq = list(dk), list(dv), list(dq)
+      for a in range(chunks):
+        for c in range(chunks):
+          qs, ks = q_seg[a], kv_seg[c]
+          gq, gk, gv = jax.lax.cond(
+              _pair_visible(config, q_offs[a], kv_offs[c], qs, ks), pair_grads, no_grads,
+              q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c], d_out[a], delta[a], d_lse[a], lse[a])
+          dq[a], dk[c], dv[c] = dq[a] + gq, dk[c] + gk, dv[c] + gv
+      return dk, dv, dq
+
+    def step_fn(carry, step):
+      k, v, kv_seg, dk, dv, dq = carry
+      dk, dv, dq = compute(step, k, v, kv_seg, dk, dv, dq)
+      return (*_rotate((k, v, kv_seg, dk, dv), config), dq), None
+
+    (k_, v_, kv_seg_, dk, dv, dq), _ = jax.lax.scan(
+        step_fn, (k, v, kv_seg, f32_zeros(k), f32_zeros(v), f32_zeros(q)), jnp.arange(n - 1))
+    dk, dv, dq = compute(n - 1, k_, v_, kv_seg_, dk, dv, dq)
+    dk, dv = _rotate((dk, dv), config)  # the last hop brings each dK/dV home
+    cast = lambda gs, xs: [g.astype(x.dtype) for g, x in zip(gs, xs, strict=True)]  # noqa: E731
+    return cast(dq, q), cast(dk, k), cast(dv, v), None, None
+
+  ring.defvjp(ring_fwd, ring_bwd)
+  return ring
