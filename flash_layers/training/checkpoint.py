@@ -44,6 +44,7 @@ class Checkpointer:
   def __init__(self, workdir: str, *, max_to_keep: int, best_metric: str, asynchronous: bool = True):
     self.workdir = os.path.abspath(workdir)
     self.best_metric = best_metric
+    self._best_value = None
     self.latest = _manager(os.path.join(self.workdir, "checkpoints"), max_to_keep=max_to_keep,
                            enable_async_checkpointing=asynchronous)
     self.best = _manager(
@@ -61,11 +62,12 @@ class Checkpointer:
     self.latest.save(step, args=_composite(state, data_state, config_json), force=True)
 
   def best_value(self) -> float | None:
-    step = self.best.best_step()
-    if step is None:
-      return None
-    metrics = self.best.metrics(step)
-    return None if not metrics else metrics.get(self.best_metric)
+    """The best dev metric saved so far (remembered across saves still in flight)."""
+    if self._best_value is None:
+      step = self.best.best_step()
+      metrics = self.best.metrics(step) if step is not None else None
+      self._best_value = metrics.get(self.best_metric) if metrics else None
+    return self._best_value
 
   def is_better(self, value: float) -> bool:
     best = self.best_value()
@@ -79,6 +81,7 @@ class Checkpointer:
       return False
     self.best.save(step, args=_composite(state, data_state, config_json),
                    metrics={k: float(v) for k, v in metrics.items() if np.isscalar(v)}, force=True)
+    self._best_value = float(metrics[self.best_metric])
     return True
 
   def wait(self):

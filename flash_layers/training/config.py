@@ -50,26 +50,38 @@ def default_config() -> ml_collections.ConfigDict:
   m.num_heads = 4
   m.mlp_dim = 512
   m.vocab_size = None  # None: the tokenizer's vocabulary size.
+  # Classes of the classification head; None = from the training data's labels
+  # (the TPU dry run, which reads no data, needs it set).
+  m.num_labels = None
 
   c.data = d = ml_collections.ConfigDict()
-  # "bbc_news", "listops", or a path to a JSONL/CSV/TSV file or a folder with one
-  # sub-folder of .txt files per class (then dev_path/test_path name the other splits).
+  # "bbc_news", "listops", or a path: a JSONL/CSV/TSV file, a folder with one
+  # sub-folder of .txt files per class, or a directory holding train/dev/test as
+  # such files or folders (flash_layers.data.load).
   d.dataset = "bbc_news"
-  d.dev_path = ""  # for file datasets: the dev split ("" = carve dev_fraction out of train)
-  d.test_path = ""  # for file datasets: the test split ("" = none)
+  # Without a dev split on disk, this fraction of train (seeded) becomes dev.
   d.dev_fraction = 0.1
+  # The split eval.py scores ("test", or "dev" when there is no test split).
+  d.eval_split = "test"
   d.text_field = "text"
   d.label_field = "label"
-  # tokenizer.json to use; "" = the pretrained model's (or the dataset's own, for listops).
+  # Tokenizer: "minilm", "listops", a tokenizer.json or a directory holding one;
+  # "" = the pretrained model's directory.
   d.tokenizer = ""
-  # Long documents: "truncate" to max_len, or split into "windows".
+  # Long documents: "truncate" to max_len, or split into "windows" (each window
+  # is then a training example with the document's label).
   d.long_documents = "truncate"
-  # Pack several short documents into one row (segment ids keep them apart).
+  d.window_stride = 0  # tokens shared by consecutive windows
+  # Pack several short documents into one row (segment ids keep them apart);
+  # training only, evaluation keeps one document per row.
   d.packing = False
+  d.max_docs_per_row = 8
   # Worker processes for tokenization (0 = in the main process).
   d.num_workers = 0
-  # Number of examples for generated datasets (listops); None = the dataset's default.
+  # Number of examples per split for generated datasets (listops); None = the default.
   d.num_examples = None
+  # Rows per evaluation batch over all processes; None = train.batch_size / grad_accum_steps.
+  d.eval_batch_size = None
 
   c.train = t = ml_collections.ConfigDict()
   # Optimizer updates to run; one step consumes one global batch.
@@ -192,17 +204,35 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _choice(k.best_metric, "checkpoint.best_metric", BEST_METRICS)
   _positive_int(config, "profile_steps", allow_zero=True)
 
+  if check_data and m.pretrained:
+    _check_position_table(m)
+
   _choice(d.long_documents, "data.long_documents", LONG_DOCUMENTS)
-  if check_data and d.dataset not in BUILTIN_DATASETS:
-    for field in ("dataset", "dev_path", "test_path"):
-      path = d[field]
-      if field != "dataset" and not path:
-        continue
-      if not os.path.exists(path):
-        _fail(f"data.{field}", f"{path!r} does not exist (a built-in dataset is one of "
-              f"{BUILTIN_DATASETS}, anything else a JSONL/CSV/TSV file or a folder)")
+  _choice(d.eval_split, "data.eval_split", ("dev", "test"))
+  if not 0.0 < d.dev_fraction < 1.0:
+    _fail("data.dev_fraction", f"must be in (0, 1); got {d.dev_fraction!r}")
+  if check_data and d.dataset not in BUILTIN_DATASETS and not os.path.exists(d.dataset):
+    _fail("data.dataset", f"{d.dataset!r} does not exist (a built-in dataset is one of "
+          f"{BUILTIN_DATASETS}, anything else a JSONL/CSV/TSV file, a folder, or a directory of splits)")
+  named_tokenizer = d.tokenizer in ("", "minilm", "listops")
+  if check_data and not named_tokenizer and not os.path.exists(d.tokenizer):
+    _fail("data.tokenizer", f"{d.tokenizer!r} does not exist (use 'minilm', 'listops', a tokenizer.json "
+          "or a directory holding one)")
 
   _validate_mesh(config, num_devices)
+
+
+def _check_position_table(m):
+  from flash_layers.models import pretrained as pretrained_lib
+  try:
+    path = pretrained_lib.resolve_path(m.pretrained)
+    table = int(pretrained_lib.read_config(path).get("max_position_embeddings", 512))
+  except (FileNotFoundError, ImportError, ValueError) as e:
+    _fail("model.pretrained", str(e))
+  limit = table * m.max_position_extension
+  if m.max_len > limit:
+    _fail("model.max_len", f"{m.max_len} is above what the checkpoint's {table}-row position table can be "
+          f"extended to ({table} x model.max_position_extension={m.max_position_extension} = {limit})")
 
 
 def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:

@@ -1,0 +1,148 @@
+"""`evaluate_checkpoint(config, workdir, ...)`: score a saved checkpoint, optionally predict a file.
+
+Writes workdir/eval_metrics.json ({"accuracy", "macro_f1", "loss", "confusion_matrix",
+"labels", "split", "checkpoint_step", ...}) and, with `predict`, one JSON line per
+input document: {"index", "prediction", "probabilities", ...the input's other fields}.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+
+from flash_layers import data as data_lib
+from flash_layers.parallel.mesh import LOGICAL_RULES
+from flash_layers.training import checkpoint as checkpoint_lib
+from flash_layers.training import config as config_lib
+from flash_layers.training import loop
+from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import state as state_lib
+from flash_layers.training import steps as steps_lib
+from flash_layers.training.distributed import log_job_info, setup_logging
+
+log = logging.getLogger("flash_layers.training")
+
+
+def restore_params(config, workdir: str, task: loop.Task, mesh, which: str | int):
+  tx = optimizer_lib.make_optimizer(config.train)
+  abstract, _ = state_lib.state_shardings(task.init_params, tx, mesh, LOGICAL_RULES)
+  checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
+                                            best_metric=config.checkpoint.best_metric)
+  try:
+    restored = checkpoints.restore(abstract, which=which)
+  finally:
+    checkpoints.close()
+  if restored is None:
+    raise FileNotFoundError(f"no {which} checkpoint in {workdir} (checkpoints/ and best/ are empty); "
+                            "run train.py with this --workdir first")
+  step, state, _, saved_config = restored
+  _warn_on_config_drift(config, json.loads(saved_config))
+  return step, state.params
+
+
+def _warn_on_config_drift(config, saved: dict):
+  for field in ("impl", "max_len", "pooling", "pretrained"):
+    if saved.get("model", {}).get(field) != config.model.get(field):
+      log.warning("config.model.%s is %r here but %r in the checkpoint's config", field,
+                  config.model.get(field), saved.get("model", {}).get(field))
+
+
+def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, checkpoint: str = "latest",
+                        predict: str | None = None, predictions_path: str | None = None,
+                        task: loop.Task | None = None) -> dict:
+  setup_logging()
+  config_lib.validate(config, check_data=task is None)
+  log_job_info()
+  mesh = loop.mesh_from_config(config)
+  if task is None:
+    from flash_layers.training.task import build_task
+    task = build_task(config, mesh, with_train_data=False)
+  which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
+  step, params = restore_params(config, workdir, task, mesh, which)
+  with loop.sharding_context(mesh):
+    return _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, predictions_path)
+
+
+def _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, predictions_path) -> dict:
+  log.info("evaluating checkpoint step %d (%s) on %s", step, checkpoint, config.data.eval_split)
+  eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, num_labels=task.num_labels))
+  batches, count = task.eval_batches(config.data.eval_split)
+  result = loop.evaluate(eval_step, params, batches, count, None, mesh, task.seq_len,
+                         num_labels=task.num_labels)
+  report = {
+    "split": config.data.eval_split, "checkpoint": checkpoint, "checkpoint_step": step,
+    "accuracy": result["accuracy"], "macro_f1": result["macro_f1"], "loss": result["loss"],
+    "num_examples": result["count"], "labels": task.label_names,
+    "confusion_matrix": np.asarray(result["confusion_matrix"]).tolist(),
+    "confusion_matrix_axes": "[true label, predicted label]",
+  }
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "eval_metrics.json"), "w", encoding="utf-8") as f:
+      json.dump(report, f, indent=1)
+    log.info("%s @ step %d\n%s", config.data.eval_split, step, metrics_lib.summary_table(
+      {config.data.eval_split: {k: report[k] for k in ("loss", "accuracy", "macro_f1", "num_examples")}}))
+  if predict:
+    predictions_path = predictions_path or os.path.join(workdir, "predictions.jsonl")
+    predict_file(config, task, params, eval_step, mesh, predict, predictions_path)
+    report["predictions"] = predictions_path
+  return report
+
+
+def _read_texts(path: str, text_field: str) -> list[dict]:
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise data_lib.DataError(f"{path}:{number}: not JSON ({e.msg})") from None
+      if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
+        raise data_lib.DataError(f"{path}:{number}: needs a string field {text_field!r}")
+      rows.append(row)
+  if not rows:
+    raise data_lib.DataError(f"{path}: no documents")
+  return rows
+
+
+def predict_file(config, task: loop.Task, params, eval_step, mesh, path: str, out_path: str) -> None:
+  """One prediction per document of a JSONL file (first max_len tokens of each)."""
+  from flash_layers.training.task import eval_batch_size, make_tokenizer
+
+  rows = _read_texts(path, config.data.text_field)
+  tokenizer = data_lib.TextTokenizer(make_tokenizer(config).tokenizer, max_len=config.model.max_len)
+  global_batch = eval_batch_size(config)
+  local = global_batch // jax.process_count()
+  first = jax.process_index() * local
+  probabilities = []
+  shardings = None
+  for start in range(0, len(rows), global_batch):
+    chunk = rows[start:start + global_batch]
+    mine = chunk[first:first + local]  # this process's slice of the global batch, in order
+    windows = tokenizer.encode([r[config.data.text_field] for r in mine]) if mine else []
+    batch = data_lib.pack_rows([[(w[0], -1)] for w in windows], batch_size=local,
+                               max_len=config.model.max_len, max_docs=1, pad_id=tokenizer.pad_id)
+    if shardings is None:
+      shardings = loop.batch_shardings(batch, mesh, task.seq_len)
+    out = eval_step(params, loop.to_global(batch, shardings))
+    gathered = np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True))
+    probabilities.append(gathered.reshape(global_batch, -1)[:len(chunk)])
+  probabilities = np.concatenate(probabilities)
+  if jax.process_index() != 0:
+    return
+  with open(out_path, "w", encoding="utf-8") as f:
+    for index, (row, probs) in enumerate(zip(rows, probabilities, strict=True)):
+      record = {k: v for k, v in row.items() if k != config.data.text_field}
+      record.update(index=index, prediction=task.label_names[int(np.argmax(probs))],
+                    probabilities={str(name): round(float(p), 6)
+                                   for name, p in zip(task.label_names, probs, strict=True)})
+      f.write(json.dumps(record) + "\n")
+  log.info("wrote %d predictions to %s", len(rows), out_path)

@@ -1,0 +1,365 @@
+"""`train_and_evaluate(config, workdir)`: the training job from start to summary.
+
+    validate config -> mesh -> task (model + data) -> state (restored or created sharded)
+    -> steps: log window / checkpoint / dev eval / preemption check -> final save, eval, summary
+
+Resuming is automatic: if workdir holds a checkpoint, training continues from
+it with the data iterator where it was, and metrics.jsonl is cut back to the
+restored step, so an interrupted run writes exactly what an uninterrupted one does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh, NamedSharding
+
+from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
+from flash_layers.training import checkpoint as checkpoint_lib
+from flash_layers.training import config as config_lib
+from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import state as state_lib
+from flash_layers.training import steps as steps_lib
+from flash_layers.training.distributed import log_job_info, setup_logging
+
+log = logging.getLogger("flash_layers.training")
+
+
+@dataclasses.dataclass
+class Task:
+  """What the loop needs from a model and a dataset (built by task.build_task)."""
+
+  logits_fn: steps_lib.LogitsFn  # (params, batch, *, train, rng) -> logits
+  init_params: Callable[[], Any]  # boxed params (traced only, or jitted with out_shardings)
+  pretrained_params: Any | None  # host arrays replacing the initial params, or None
+  label_names: list
+  train_batches: Iterator[dict]  # endless, this process's rows; has get_state()/set_state()
+  eval_batches: Callable[[str], tuple[Iterator[dict], int]]  # split -> (this process's batches, count)
+  seq_len: int
+
+  @property
+  def num_labels(self) -> int:
+    return len(self.label_names)
+
+
+class NonFiniteLossError(FloatingPointError):
+  pass
+
+
+# ----------------------------------------------------------------------------
+# Batches: process-local numpy -> global sharded arrays
+# ----------------------------------------------------------------------------
+
+def batch_shardings(batch: dict, mesh: Mesh, seq_len: int) -> dict:
+  """Rows over (data, fsdp); the token axis over sequence for [batch, seq_len] arrays."""
+  def spec(x):
+    names = ("batch", "length") if x.ndim >= 2 and x.shape[1] == seq_len else ("batch",)
+    names = names + (None,) * (x.ndim - len(names))
+    return NamedSharding(mesh, nn.logical_to_mesh_axes(names, LOGICAL_RULES))
+  return {k: spec(np.asarray(v)) for k, v in batch.items()}
+
+
+def to_global(batch: dict, shardings: dict) -> dict:
+  """Each process contributes its rows; the result is one array over all processes."""
+  out = {}
+  for key, value in batch.items():
+    value = np.asarray(value)
+    global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
+    out[key] = jax.make_array_from_process_local_data(shardings[key], value, global_shape)
+  return out
+
+
+# ----------------------------------------------------------------------------
+# Evaluation (also used by eval.py)
+# ----------------------------------------------------------------------------
+
+def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, shardings: dict | None,
+             mesh: Mesh, seq_len: int, *, num_labels: int, keep_probabilities: bool = False) -> dict:
+  """Loss, accuracy, macro-F1 and the confusion matrix over `num_batches` batches.
+
+  Every process runs the same number of steps (collectives): a process whose
+  shard is used up feeds copies of its last batch with all labels -1.
+  """
+  loss_sum, count = 0.0, 0.0
+  confusion = np.zeros((num_labels, num_labels), np.int64)
+  probabilities, labels = [], []
+  last = None
+  for _ in range(num_batches):
+    batch = next(batches, None)
+    if batch is None:
+      batch = dict(last)
+      batch["labels"] = np.full_like(np.asarray(last["labels"]), -1)
+    last = batch
+    if shardings is None:
+      shardings = batch_shardings(batch, mesh, seq_len)
+    out = eval_step(params, to_global(batch, shardings))
+    loss_sum += float(out["loss_sum"])
+    count += float(out["count"])
+    confusion += np.asarray(out["confusion"], np.int64)
+    if keep_probabilities:
+      probabilities.append(np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True)))
+      labels.append(np.asarray(multihost_utils.process_allgather(batch["labels"], tiled=True)))
+  result = {"loss": loss_sum / max(count, 1.0), "count": int(count), **metrics_lib.summarize(confusion),
+            "confusion_matrix": confusion}
+  if keep_probabilities:
+    result["probabilities"] = np.concatenate(probabilities) if probabilities else np.zeros((0, num_labels))
+    result["labels"] = np.concatenate(labels) if labels else np.zeros((0,), np.int32)
+  return result
+
+
+# ----------------------------------------------------------------------------
+# Preemption
+# ----------------------------------------------------------------------------
+
+class PreemptionWatch:
+  """SIGTERM sets a flag; the loop checks it between steps, saves and exits cleanly."""
+
+  def __init__(self):
+    self.requested = False
+    self._previous = None
+
+  def __enter__(self):
+    def handler(signum, frame):
+      log.warning("SIGTERM received: saving a checkpoint after this step, then exiting")
+      self.requested = True
+    with contextlib.suppress(ValueError):  # not the main thread: no handler, no preemption saves
+      self._previous = signal.signal(signal.SIGTERM, handler)
+    return self
+
+  def __exit__(self, *exc):
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+
+  def should_stop(self) -> bool:
+    if jax.process_count() == 1:
+      return self.requested
+    # Every process must stop at the same step: stop if any of them was signalled.
+    flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
+    return bool(np.max(flags))
+
+
+# ----------------------------------------------------------------------------
+# The job
+# ----------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def sharding_context(mesh: Mesh):
+  """The logical rules that the model's sharding annotations resolve against.
+
+  Not (yet) the mesh as a context: flax checks a param's shape by tracing its initializer,
+  and DenseGeneral's reshape of a logically-boxed kernel then fails under a mesh context
+  (requests.md). Params and batches are placed explicitly instead, and XLA propagates
+  their shardings through the step.
+  """
+  del mesh
+  with nn.logical_axis_rules(LOGICAL_RULES):
+    yield
+
+
+def mesh_from_config(config: ml_collections.ConfigDict, devices=None) -> Mesh:
+  devices = jax.devices() if devices is None else devices
+  return make_mesh(**config_lib.mesh_shape(config, len(devices)), devices=devices)
+
+
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, task: Task | None = None) -> dict:
+  """Train (resuming from workdir if it holds a checkpoint), evaluate, return the final metrics.
+
+  `task` overrides the model and data built from the config (for tests and notebooks).
+  """
+  setup_logging()
+  config_lib.validate(config, check_data=task is None)
+  log_job_info()
+  mesh = mesh_from_config(config)
+  log.info("mesh %s", dict(mesh.shape))
+  if task is None:
+    from flash_layers.training.task import build_task
+    task = build_task(config, mesh)
+  os.makedirs(workdir, exist_ok=True)
+  return Trainer(config, workdir, mesh, task).run()
+
+
+class Trainer:
+  def __init__(self, config, workdir: str, mesh: Mesh, task: Task):
+    self.config, self.workdir, self.mesh, self.task = config, workdir, mesh, task
+    train = config.train
+    self.tx = optimizer_lib.make_optimizer(train)
+    self.schedule = optimizer_lib.learning_rate_schedule(train)
+    self.abstract, self.shardings = state_lib.state_shardings(task.init_params, self.tx, mesh, LOGICAL_RULES)
+    self.checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
+                                                   best_metric=config.checkpoint.best_metric)
+    self.config_json = config.to_json_best_effort()
+    train_step = steps_lib.make_train_step(
+      task.logits_fn, self.tx, self.schedule, num_labels=task.num_labels, seed=config.seed,
+      grad_accum_steps=train.grad_accum_steps, label_smoothing=train.label_smoothing)
+    self.train_step = jax.jit(train_step, out_shardings=(self.shardings, None), donate_argnums=0)
+    self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, num_labels=task.num_labels))
+    self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
+                                                        train.peak_flops_per_device)
+
+  # -- state ------------------------------------------------------------------
+
+  def _initial_state(self):
+    restored = self.checkpoints.restore(self.abstract)
+    if restored is not None:
+      step, state, data_state, _ = restored
+      if data_state is not None:
+        self.task.train_batches.set_state(data_state)
+      log.info("resumed from checkpoint step %d in %s", step, self.workdir)
+      return state
+    if self.task.pretrained_params is not None:
+      state_lib.check_params_match(self.task.pretrained_params, self.abstract.params)
+    origin = "pretrained" if self.task.pretrained_params is not None else "random"
+    log.info("starting from %s weights", origin)
+    return state_lib.create_state(self.task.init_params, self.tx, self.shardings, self.task.pretrained_params)
+
+  def _save(self, state, step: int):
+    self.checkpoints.save(step, state, self.task.train_batches.get_state(), self.config_json)
+
+  # -- the loop ---------------------------------------------------------------
+
+  def run(self) -> dict:
+    state = self._initial_state()
+    with sharding_context(self.mesh):
+      return self._train(state)
+
+  def _train(self, state) -> dict:
+    config, train = self.config, self.config.train
+    start = int(state.step)
+    writer = metrics_lib.MetricWriter(self.workdir, resume_step=start)
+    progress = metrics_lib.Progress(train.num_steps, start)
+    shardings = None
+    window: list[dict] = []
+    window_start = time.perf_counter()
+    compiled, flops_per_step = None, None
+    last_dev: dict = {}
+    stopped_early = False
+    profiling = False
+    try:
+      with PreemptionWatch() as preemption:
+        for step in range(start, train.num_steps):
+          batch = next(self.task.train_batches)
+          if shardings is None:
+            shardings = batch_shardings(batch, self.mesh, self.task.seq_len)
+          if config.profile_steps and step == start + config.profile_start:
+            jax.profiler.start_trace(os.path.join(self.workdir, "profile"))
+            profiling = True
+          global_batch = to_global(batch, shardings)
+          if compiled is None:
+            compiled = self.train_step.lower(state, global_batch).compile()
+            flops_per_step = metrics_lib.compiled_flops(compiled)
+            window_start = time.perf_counter()
+          state, step_metrics = compiled(state, global_batch)
+          window.append(step_metrics)
+          if profiling and step + 1 == start + config.profile_start + config.profile_steps:
+            jax.block_until_ready(state)
+            jax.profiler.stop_trace()
+            profiling = False
+            log.info("profile written to %s", os.path.join(self.workdir, "profile"))
+          done = step + 1
+          last_step = done == train.num_steps
+          save_now = done % config.checkpoint.every_steps == 0 or last_step
+          eval_now = train.eval_every and done % train.eval_every == 0 and not last_step
+          stop = preemption.should_stop()
+          # A window is checked for NaN/Inf before anything is saved from it.
+          if done % train.log_every == 0 or save_now or eval_now or stop or last_step:
+            self._flush(window, done, time.perf_counter() - window_start, flops_per_step, writer, progress)
+            window, window_start = [], time.perf_counter()
+          if eval_now:
+            last_dev = self._dev_eval(state, done, writer)
+          if save_now or stop:
+            self._save(state, done)
+          if stop:
+            log.warning("stopped by SIGTERM at step %d; checkpoint saved, run again to resume", done)
+            stopped_early = True
+            break
+      if not stopped_early:
+        last_dev = self._dev_eval(state, train.num_steps, writer)
+    finally:
+      if profiling:
+        jax.profiler.stop_trace()
+      self.checkpoints.wait()
+      self.checkpoints.close()
+      writer.close()
+    result = {"step": int(state.step), "stopped_early": stopped_early, "dev": last_dev}
+    if not stopped_early:
+      self._summary(result)
+    return result
+
+  def _flush(self, window, done, seconds, flops_per_step, writer, progress):
+    """Fetch a window of step metrics (the only host sync), check them, log them."""
+    if not window:
+      return
+    fetched = jax.device_get(window)
+    first = done - len(fetched) + 1
+    for offset, values in enumerate(fetched):
+      if not math.isfinite(float(values["loss"])):
+        raise NonFiniteLossError(
+          f"loss is {float(values['loss'])} at step {first + offset} (learning_rate "
+          f"{float(values['learning_rate']):.3g}, grad_norm {float(values['grad_norm']):.3g}); stopping. "
+          f"The last good checkpoint is kept in {self.workdir}/checkpoints; try a lower "
+          f"config.train.learning_rate or config.train.grad_clip_norm")
+    for offset, values in enumerate(fetched):
+      writer.write(first + offset, "train", {"loss": float(values["loss"])})
+    confusion = sum(np.asarray(v["confusion"], np.int64) for v in fetched)
+    tokens = sum(int(v["tokens"]) for v in fetched)
+    last = fetched[-1]
+    summary = {
+      "loss": float(np.mean([float(v["loss"]) for v in fetched])),
+      **metrics_lib.summarize(confusion),
+      "learning_rate": float(last["learning_rate"]),
+      "grad_norm": float(last["grad_norm"]),
+      "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+      "steps_per_s": len(fetched) / seconds if seconds > 0 else float("nan"),
+    }
+    if flops_per_step:
+      # XLA's cost analysis of the partitioned program counts one device's FLOPs.
+      summary["mfu_estimate"] = flops_per_step * len(fetched) / seconds / self.peak_flops if seconds else 0.0
+    writer.write(done, "train_window", summary)
+    progress.update(done, {k: summary[k] for k in ("loss", "accuracy", "learning_rate", "tokens_per_s")})
+
+  def _dev_eval(self, state, step, writer) -> dict:
+    batches, count = self.task.eval_batches("dev")
+    result = evaluate(self.eval_step, state.params, batches, count, None, self.mesh, self.task.seq_len,
+                      num_labels=self.task.num_labels)
+    values = {k: v for k, v in result.items() if k != "confusion_matrix"}
+    writer.write(step, "dev", values)
+    log.info("dev @ %d: loss %.4f  accuracy %.4f  macro_f1 %.4f", step, values["loss"], values["accuracy"],
+             values["macro_f1"])
+    if math.isfinite(values[self.config.checkpoint.best_metric]):
+      saved = self.checkpoints.save_best(step, state, self.task.train_batches.get_state(), self.config_json,
+                                         values)
+      if saved:
+        log.info("new best dev %s %.4f at step %d", self.config.checkpoint.best_metric,
+                 values[self.config.checkpoint.best_metric], step)
+    return values
+
+  def _summary(self, result):
+    if jax.process_index() != 0:
+      return
+    rows = {"dev (final)": {k: result["dev"].get(k) for k in ("loss", "accuracy", "macro_f1", "count")}}
+    try:
+      last_train = [r for r in metrics_lib.read_metrics(self.workdir, "train_window")][-1]
+      rows = {"train (last window)": {k: last_train.get(k) for k in ("loss", "accuracy", "macro_f1")}, **rows}
+    except (OSError, IndexError):
+      pass
+    best = self.checkpoints.steps("best")
+    log.info("finished %d steps; best dev checkpoint: step %s\n%s", result["step"],
+             best[-1] if best else None, metrics_lib.summary_table(rows))
+    with open(os.path.join(self.workdir, "train_summary.json"), "w", encoding="utf-8") as f:
+      json.dump({"step": result["step"], "dev": {k: v for k, v in result["dev"].items()},
+                 "best_step": best[-1] if best else None}, f, indent=1)

@@ -1,0 +1,178 @@
+"""From a config to a `Task`: the model, its initial params, the tokenizer and the batches.
+
+This is the only place that knows about flash_layers.models and flash_layers.data;
+the loop and eval only see the `Task` interface (loop.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import Mesh
+
+from flash_layers import data as data_lib
+from flash_layers import models
+from flash_layers.data import readers
+from flash_layers.training.loop import Task
+
+log = logging.getLogger("flash_layers.training")
+
+DEV_CARVE_SEED = 1234  # fixed, so the carved-out dev split is the same for every training seed
+
+
+# ----------------------------------------------------------------------------
+# Data
+# ----------------------------------------------------------------------------
+
+def _has_split(root: pathlib.Path, split: str) -> bool:
+  if root.is_file():
+    return False
+  try:
+    return readers.split_path(root, split) != root
+  except (data_lib.DataError, FileNotFoundError):
+    return False
+
+
+def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Records:
+  """Records of one split; a dataset without a dev split on disk gets one carved out of train."""
+  d = config.data
+  if d.dataset == "bbc_news":
+    return data_lib.load("bbc_news", split=split)
+  if d.dataset == "listops":
+    options = {} if d.num_examples is None else {"num_examples": d.num_examples}
+    return data_lib.load("listops", split=split, **options)
+  root = pathlib.Path(d.dataset)
+  columns = {"text_column": d.text_field, "label_column": d.label_field}
+  if split == "test" or _has_split(root, "dev"):
+    if split != "train" and not _has_split(root, split):
+      raise data_lib.DataError(f"config.data.dataset {str(root)!r} has no {split!r} split (expected "
+                               f"{split}.jsonl/.csv/.tsv or a {split}/ folder in it); set "
+                               "config.data.eval_split='dev' to evaluate on dev")
+    return data_lib.load(root, split=split, **columns)
+  train = data_lib.load(root, split="train", **columns)
+  order = np.random.default_rng(DEV_CARVE_SEED).permutation(len(train))
+  num_dev = max(1, int(round(len(train) * d.dev_fraction)))
+  chosen = sorted(order[:num_dev]) if split == "dev" else sorted(order[num_dev:])
+  return data_lib.Records([train[i] for i in chosen], vocab=train.vocab, source=train.source, split=split)
+
+
+def tokenizer_path(config: ml_collections.ConfigDict) -> str:
+  if config.data.tokenizer:
+    return config.data.tokenizer
+  if config.data.dataset == "listops":
+    return "listops"
+  if config.model.pretrained:
+    return str(pretrained_dir(config.model.pretrained))
+  raise ValueError("config.data.tokenizer: needed when training from scratch on text "
+                   "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
+
+
+def pretrained_dir(name_or_path: str) -> pathlib.Path:
+  if name_or_path == "minilm":
+    return data_lib.tokenize.minilm_dir()
+  return pathlib.Path(name_or_path)
+
+
+def make_tokenizer(config) -> data_lib.TextTokenizer:
+  return data_lib.TextTokenizer(tokenizer_path(config), max_len=config.model.max_len,
+                                long_docs=config.data.long_documents, stride=config.data.window_stride)
+
+
+def local_batch_size(global_batch: int) -> int:
+  if global_batch % jax.process_count():
+    raise ValueError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
+                     "processes")
+  return global_batch // jax.process_count()
+
+
+def eval_batch_size(config) -> int:
+  return config.data.eval_batch_size or config.train.batch_size // config.train.grad_accum_steps
+
+
+def materialized_eval_batches(records, tokenizer, global_batch: int):
+  """This process's eval batches as a list, and how many steps every process must run."""
+  batches = list(data_lib.make_batches(records, tokenizer, batch_size=local_batch_size(global_batch),
+                                       shuffle=False, num_epochs=1))
+  count = len(batches)
+  if jax.process_count() > 1:
+    count = int(np.max(multihost_utils.process_allgather(np.array([count], np.int32))))
+  return batches, count
+
+
+# ----------------------------------------------------------------------------
+# Model
+# ----------------------------------------------------------------------------
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: int | None):
+  """(model, pretrained params as host numpy arrays, or None when training from scratch)."""
+  m = config.model
+  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=DTYPES[m.dtype],
+                remat=m.remat)
+  if m.pretrained:
+    model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
+                                           position_extension=m.position_extension, seed=config.seed,
+                                           **common)
+    return model, jax.tree.map(np.asarray, params)
+  vocab_size = m.vocab_size or vocab_size
+  if not vocab_size:
+    raise ValueError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
+  model = models.Bert(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
+                      num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len, num_labels=num_labels,
+                      **common)
+  return model, None
+
+
+def make_logits_fn(model: models.Bert):
+  """Called under loop.sharding_context (the mesh and logical rules are set by the caller)."""
+  def logits_fn(params, batch, *, train: bool, rng):
+    rngs = {"dropout": rng} if train else {}
+    return model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], batch["positions"],
+                       max_docs=batch["labels"].shape[1], deterministic=not train, rngs=rngs,
+                       method=model.classify)
+  return logits_fn
+
+
+def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_train_data: bool = True) -> Task:
+  train_records = load_split(config, "train")
+  tokenizer = make_tokenizer(config)
+  label_names = list(train_records.vocab.names)
+  model, pretrained = build_model(config, config.model.num_labels or len(label_names), tokenizer.vocab_size)
+  seq_len = config.model.max_len
+
+  def init_params():
+    return models.init_params(model, jax.random.key(config.seed), boxed=True)
+
+  train_batches = None
+  if with_train_data:
+    d = config.data
+    train_batches = data_lib.make_batches(
+      train_records, tokenizer, batch_size=local_batch_size(config.train.batch_size), pack=d.packing,
+      max_docs_per_row=d.max_docs_per_row if d.packing else None, shuffle=True, seed=config.seed,
+      num_epochs=None, num_workers=d.num_workers)
+
+  def eval_batches(split: str):
+    records = load_split(config, split) if split != "train" else train_records
+    batches, count = materialized_eval_batches(records, tokenizer, eval_batch_size(config))
+    return iter(batches), count
+
+  return Task(logits_fn=make_logits_fn(model), init_params=init_params, pretrained_params=pretrained,
+              label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
+              seq_len=seq_len)
+
+
+def save_labels(workdir: str, label_names) -> None:
+  if jax.process_index() == 0:
+    os.makedirs(workdir, exist_ok=True)
+    with open(os.path.join(workdir, "labels.json"), "w", encoding="utf-8") as f:
+      json.dump({"labels": list(label_names)}, f, indent=1)

@@ -1,0 +1,37 @@
+"""Train a document classifier: `python train.py --config configs/quickstart.py --workdir runs/quickstart`.
+
+Override any config field on the command line: `--config.train.num_steps=500`.
+Run it again with the same --workdir to resume from the latest checkpoint.
+`--aot_topology v5p:4x4x4` compiles the train step for that TPU slice and reports
+memory and FLOPs without running anything.
+"""
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from flash_layers.training import distributed
+
+FLAGS = flags.FLAGS
+config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
+flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, TensorBoard events and profiles go here.")
+flags.DEFINE_string("aot_topology", None, "Dry run: compile for this TPU slice (v5p:4x4x4); no training.")
+distributed.define_flags()
+flags.mark_flags_as_required(["config"])
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if FLAGS.aot_topology:
+    from flash_layers.training import aot
+    aot.dry_run(FLAGS.config, FLAGS.aot_topology)
+    return
+  if not FLAGS.workdir:
+    raise app.UsageError("--workdir is required (unless --aot_topology)")
+  distributed.initialize_from_flags()
+  from flash_layers.training import loop
+  loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
+
+
+if __name__ == "__main__":
+  app.run(main)
