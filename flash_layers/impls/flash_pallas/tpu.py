@@ -40,6 +40,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from flash_layers import masks
+from flash_layers import platform as platform_lib
 from flash_layers.impls.base import Args, Request
 
 LANES = 128    # vreg minor dimension; the MXU is 128 (v4, v5e, v5p) or 256 (v6e) wide
@@ -205,10 +206,20 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
 # ----------------------------------------------------------------------------
 
 def _interpret_arg(interpret: bool):
+  """What to pass as pallas_call(interpret=...).
+
+  Under `fl.interpret_as("tpu")`: the TPU-semantics interpreter (`pltpu.InterpretParams`:
+  uninitialized memory reads as NaN, out-of-bounds reads raise). Otherwise an interpreted kernel
+  is the CPU branch of the dispatcher's `platform_dependent`, next to the compiled TPU branch;
+  InterpretParams' io callbacks carry an ordered effect that the TPU branch lacks, and JAX then
+  fails to lower the TPU branch alone. The plain interpreter (`True`) has no effects.
+  """
   if not interpret:
     return False
-  params = getattr(pltpu, "InterpretParams", None)  # jax >= 0.7; the TPU-semantics interpreter
-  return params() if params is not None else True
+  params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
+  if params is None or platform_lib.interpreting() != "tpu":
+    return True
+  return params()
 
 
 def _compiler_params(semantics: tuple[str, ...]):
@@ -224,6 +235,12 @@ def _plan(index, full, count):
   """
   full_at = jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)
   return (2 * index + full_at).reshape(-1), count.reshape(-1)
+
+
+def _decode(entry):
+  """plan entry -> (block, full). Shifts, not // and %: signed division lowers to `sign`,
+  whose Mosaic rule asks for the local TPU's generation (absent in an AOT compile on a CPU host)."""
+  return entry >> 1, (entry & 1) == 1
 
 
 def _segment_rows(seg, padded_len):
@@ -285,7 +302,7 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_k
   batch, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = (batch if cfg.has_segments else 0) * pl.num_programs(2) + q_block
   entry = plan_ref[row * num_kv_steps + step]
-  kv_block, full = entry // 2, entry % 2 == 1
+  kv_block, full = _decode(entry)
 
   @pl.when(step == 0)
   def _init():
@@ -339,11 +356,11 @@ def _forward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
   plan, count = _plan(bm.kv_index, bm.full, bm.kv_count)
 
   def kv_block(bi, qi, si, plan_ref):
-    return plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] // 2
+    return plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] >> 1
 
   def kv_spec(width):  # GQA: query head hi reads kv head hi // group, straight from HBM
     return pl.BlockSpec((None, None, block_kv, width), lambda bi, hi, qi, si, _, plan_ref, __: (
-        bi, hi // group, kv_block(bi, qi, si, plan_ref), 0))
+        bi, jax.lax.div(hi, group), kv_block(bi, qi, si, plan_ref), 0))
 
   in_specs = [pl.BlockSpec((None, None, block_q, d), lambda bi, hi, qi, si, *_: (bi, hi, qi, 0)),
               kv_spec(d), kv_spec(dv)]
@@ -393,7 +410,7 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_q_ste
                                           pl.program_id(4))
   row = (batch if cfg.has_segments else 0) * pl.num_programs(2) + kv_block
   entry = plan_ref[row * num_q_steps + step]
-  q_block, full = entry // 2, entry % 2 == 1
+  q_block, full = _decode(entry)
 
   @pl.when((head_in_group == 0) & (step == 0))
   def _init():
@@ -440,7 +457,7 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_kv_ste
   batch, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   row = (batch if cfg.has_segments else 0) * pl.num_programs(2) + q_block
   entry = plan_ref[row * num_kv_steps + step]
-  kv_block, full = entry // 2, entry % 2 == 1
+  kv_block, full = _decode(entry)
 
   @pl.when(step == 0)
   def _init():
@@ -491,7 +508,7 @@ def _backward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
   plan_t, count_t = _plan(bm.q_index, jnp.swapaxes(bm.full, 1, 2), bm.q_count)
 
   def q_block(bi, ki, si, plan_ref):
-    return plan_ref[((bi if cfg.has_segments else 0) * num_kv + ki) * num_q + si] // 2
+    return plan_ref[((bi if cfg.has_segments else 0) * num_kv + ki) * num_q + si] >> 1
 
   def per_query(block, dim):  # tiles of arrays indexed by query head and q position
     return pl.BlockSpec(block, lambda bi, kh, ki, gi, si, _, plan_ref, __: (
@@ -528,9 +545,12 @@ def _backward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
   # dQ: grid (batch, heads, q blocks, kv steps), like the forward.
   plan, count = _plan(bm.kv_index, bm.full, bm.kv_count)
 
+  def kv_block(bi, qi, si, plan_ref):
+    return plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] >> 1
+
   def kv_spec(width):
     return pl.BlockSpec((None, None, block_kv, width), lambda bi, hi, qi, si, _, plan_ref, __: (
-        bi, hi // group, plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] // 2, 0))
+        bi, jax.lax.div(hi, group), kv_block(bi, qi, si, plan_ref), 0))
 
   def q_spec(block, dim):
     return pl.BlockSpec(block, lambda bi, hi, qi, si, *_: (bi, hi, *((0, qi) if dim == 3 else (qi, 0))))
@@ -542,8 +562,8 @@ def _backward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
   if cfg.has_segments:
     in_specs += [
         pl.BlockSpec((None, 1, block_q), lambda bi, hi, qi, si, *_: (bi, 0, qi)),
-        pl.BlockSpec((None, 1, block_kv), lambda bi, hi, qi, si, _, plan_ref, __: (
-            bi, 0, plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] // 2))]
+        pl.BlockSpec((None, 1, block_kv),
+                     lambda bi, hi, qi, si, _, plan_ref, __: (bi, 0, kv_block(bi, qi, si, plan_ref)))]
     scratch.append(pltpu.VMEM((block_q, LANES), jnp.int32))
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
   grid_spec = pltpu.PrefetchScalarGridSpec(
