@@ -1,0 +1,168 @@
+"""Focused checks of the flash_pallas GPU (Triton) kernels, run in Pallas interpret mode on the CPU.
+
+The conformance suite covers the contract feature by feature; these tests cover
+what only this family has: global position offsets and the lse cotangent (ring
+attention), tile-size overrides, the config table, the refusals, and the block
+skipping explain() reports.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flash_layers as fl
+from flash_layers import api
+from flash_layers.impls.flash_pallas import gpu
+
+
+def _inputs(b=1, t=40, s=40, h=4, kvh=2, d=32, dv=None, dtype=jnp.float32, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(keys[0], (b, t, h, d), dtype)
+  k = jax.random.normal(keys[1], (b, s, kvh, d), dtype)
+  v = jax.random.normal(keys[2], (b, s, kvh, dv or d), dtype)
+  return q, k, v
+
+
+def _attend(impl, q, k, v, **kwargs):
+  """(out, lse) through the internal entry point that takes position offsets."""
+  request, args = api.prepare(q, k, v, **kwargs)
+  return api.attend(q, k, v, impl=impl, request=request, args=args)
+
+
+def _out_and_lse_loss(impl, **kwargs):
+  """A scalar that depends on both outputs, so gradients flow through out and lse."""
+  def loss(q, k, v):
+    out, lse = _attend(impl, q, k, v, **kwargs)
+    weights = jnp.cos(jnp.arange(out.size, dtype=jnp.float32)).reshape(out.shape)
+    lse = jnp.where(jnp.isfinite(lse), lse, 0.0)
+    return jnp.sum(out * weights) + jnp.sum(jnp.sin(lse))
+  return loss
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(causal=True, q_offset=24, kv_offset=8),  # a ring shard below the diagonal
+    dict(causal=True, window=(5, 0), q_offset=0, kv_offset=20),  # rows that see nothing
+    dict(segment_ids=np.array([[1] * 20 + [2] * 20]), causal=True, q_offset=3, kv_offset=3),
+])
+def test_offsets_and_lse_cotangent_match_reference(kwargs):
+  q, k, v = _inputs()
+  with fl.interpret_as("gpu"):
+    out, lse = _attend("flash_pallas", q, k, v, **kwargs)
+    grads = jax.grad(_out_and_lse_loss("flash_pallas", **kwargs), (0, 1, 2))(q, k, v)
+  ref_out, ref_lse = _attend("reference", q, k, v, **kwargs)
+  ref_grads = jax.grad(_out_and_lse_loss("reference", **kwargs), (0, 1, 2))(q, k, v)
+  np.testing.assert_allclose(out, ref_out, atol=2e-5)
+  np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
+  finite = np.isfinite(ref_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], np.asarray(ref_lse)[finite], atol=2e-5)
+  for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads, strict=True):
+    np.testing.assert_allclose(got, want, atol=5e-5, err_msg=name)
+
+
+def test_traced_offsets_give_the_same_result():
+  q, k, v = _inputs(t=24, s=24)
+
+  def run(q_offset, kv_offset):
+    return _attend("flash_pallas", q, k, v, causal=True, q_offset=q_offset, kv_offset=kv_offset)[0]
+
+  with fl.interpret_as("gpu"):
+    traced = jax.jit(run)(jnp.int32(30), jnp.int32(20))
+    static = run(30, 20)
+  np.testing.assert_allclose(traced, static, atol=1e-6)
+  np.testing.assert_allclose(static, _attend("reference", q, k, v, causal=True, q_offset=30,
+                                             kv_offset=20)[0], atol=2e-5)
+
+
+def test_rows_that_see_no_key_get_zeros_and_zero_gradients():
+  q, k, v = _inputs(t=33, s=33, h=2, kvh=2)
+  seg = np.array([[1] * 20 + [7] * 13])
+  kv_seg = np.array([[1] * 33])  # queries of document 7 see no key
+
+  def loss(q, k, v):
+    return jnp.sum(fl.attention(q, k, v, impl="flash_pallas", segment_ids=seg, kv_segment_ids=kv_seg))
+
+  with fl.interpret_as("gpu"):
+    out = fl.attention(q, k, v, impl="flash_pallas", segment_ids=seg, kv_segment_ids=kv_seg)
+    dq, dk, dv = jax.grad(loss, (0, 1, 2))(q, k, v)
+  assert np.all(np.asarray(out[:, 20:]) == 0)
+  assert np.all(np.asarray(dq[:, 20:]) == 0)
+  assert np.all(np.isfinite(dk)) and np.all(np.isfinite(dv))
+  assert np.abs(np.asarray(out[:, :20])).max() > 0
+
+
+@pytest.mark.parametrize("block_sizes", [
+    gpu.GpuBlockSizes(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16, num_warps=2),
+    {"block_q": 32, "block_kv": 16},
+])
+def test_block_size_override_changes_tiles_not_results(block_sizes):
+  q, k, v = _inputs(t=70, s=70, d=64, dv=32)
+  seg = np.array([[1] * 30 + [2] * 40])
+
+  def loss(impl, **extra):
+    return lambda q, k, v: jnp.sum(jnp.sin(fl.attention(q, k, v, impl=impl, causal=True, segment_ids=seg,
+                                                        **extra)))
+
+  with fl.interpret_as("gpu"):
+    got = jax.grad(loss("flash_pallas", block_sizes=block_sizes), (0, 1, 2))(q, k, v)
+    request, _ = api.prepare(q, k, v, block_sizes=block_sizes)
+    assert gpu.block_shape(request, "cuda") == (32 if isinstance(block_sizes, dict) else 16,
+                                                16 if isinstance(block_sizes, dict) else 32)
+  want = jax.grad(loss("reference"), (0, 1, 2))(q, k, v)
+  for got_x, want_x in zip(got, want, strict=True):
+    np.testing.assert_allclose(got_x, want_x, atol=5e-5)
+
+
+def test_bad_block_sizes_name_the_field():
+  with pytest.raises(ValueError, match="block_q"):
+    gpu.GpuBlockSizes(block_q=48)
+  with pytest.raises(ValueError, match="block_qq"):
+    gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], {"block_qq": 64})
+  with pytest.raises(TypeError, match="GpuBlockSizes"):
+    gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], (64, 64))
+
+
+def test_config_table_covers_generations_and_head_dims():
+  for generation in ("hopper", "ampere"):
+    for bucket in (64, 128, 256):
+      assert isinstance(gpu.CONFIG_TABLE[(generation, bucket)], gpu.GpuBlockSizes)
+  # No GPU here: Hopper defaults; tiles shrink to short sequences but never below 16.
+  assert gpu.gpu_generation() == "hopper"
+  q, k, v = _inputs(t=5, s=300, d=128)
+  request, _ = api.prepare(q, k, v)
+  assert gpu.block_shape(request, "cuda") == (16, gpu.CONFIG_TABLE[("hopper", 128)].block_kv)
+
+
+def test_refuses_only_what_it_cannot_do():
+  q, k, v = _inputs(d=512)
+  with fl.interpret_as("gpu"), pytest.raises(fl.UnsupportedError, match="head_dim > 256"):
+    fl.attention(q, k, v, impl="flash_pallas")
+  request, _ = api.prepare(*_inputs(), dense_mask=np.ones((1, 1, 40, 40), bool))
+  assert gpu.unsupported(request) == "dense mask"
+  request, _ = api.prepare(*_inputs(d=256, dv=80, dtype=jnp.bfloat16), causal=True, window=3, softcap=1.0,
+                           segment_ids=np.ones((1, 40), np.int32))
+  assert gpu.unsupported(request) is None
+
+
+def _shapes(b, t, h, d):
+  spec = jax.ShapeDtypeStruct((b, t, h, d), jnp.bfloat16)
+  return spec, spec, spec
+
+
+def test_explain_reports_block_skipping_for_packed_documents():
+  # 16 documents of 512 tokens packed in one 8,192-token row.
+  seg = np.repeat(np.arange(1, 17, dtype=np.int32), 512)[None]
+  with fl.interpret_as("gpu"):
+    info = fl.explain(*_shapes(1, 8192, 1, 64), impl="flash_pallas", segment_ids=seg)
+  assert info.kernel == "pallas-gpu (interpret)"
+  assert info.block_fraction <= 0.078, str(info)
+
+
+def test_explain_reports_about_half_the_blocks_for_causal():
+  with fl.interpret_as("gpu"):
+    info = fl.explain(*_shapes(2, 4096, 4, 128), impl="flash_pallas", causal=True)
+  assert 0.45 <= info.block_fraction <= 0.55, str(info)
+  block_q, block_kv = gpu.CONFIG_TABLE[("hopper", 128)].block_q, gpu.CONFIG_TABLE[("hopper", 128)].block_kv
+  assert info.blocks_total == 2 * 4 * (4096 // block_q) * (4096 // block_kv)
