@@ -50,13 +50,19 @@ class XlaNative:
                               args.kv_segment_ids, args.q_offset, args.kv_offset)[:, None]
       if args.dense_mask is not None:
         mask = mask & args.dense_mask
+    dtype = q.dtype
+    if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 1 and dtype != jnp.float32:
+      # XLA:CPU cannot emit a half-precision dot with no free dimension ("ALG_DOT_BF16_BF16_F32
+      # not supported by the ElementalIrEmitter"); a single-element call costs nothing in float32.
+      q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
     out, lse = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=request.scale,
                                             is_causal=is_causal, return_residual=True)
+    out = out.astype(dtype)
     lse = jnp.swapaxes(lse.astype(jnp.float32), 1, 2)  # [b, t, h] -> [b, h, t]
     if mask is not None:
       # XLA gives a row with no visible key the mean of all values; the contract says 0.
       has_key = jnp.any(jnp.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[1])),
                         axis=-1)  # [b, h, t]
-      out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], out, 0).astype(q.dtype)
+      out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], out, 0).astype(dtype)
       lse = jnp.where(has_key, lse, -jnp.inf)
     return out, lse
