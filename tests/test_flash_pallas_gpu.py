@@ -93,11 +93,8 @@ def test_rows_that_see_no_key_get_zeros_and_zero_gradients():
   assert np.abs(np.asarray(out[:, :20])).max() > 0
 
 
-@pytest.mark.parametrize("block_sizes", [
-    gpu.GpuBlockSizes(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16, num_warps=2),
-    {"block_q": 32, "block_kv": 16},
-])
-def test_block_size_override_changes_tiles_not_results(block_sizes):
+def test_block_size_override_changes_tiles_not_results():
+  block_sizes = fl.GpuBlockSizes(block_q=16, block_kv=32, block_q_bwd=32, block_kv_bwd=16, num_warps=2)
   q, k, v = _inputs(t=70, s=70, d=64, dv=32)
   seg = np.array([[1] * 30 + [2] * 40])
 
@@ -108,8 +105,7 @@ def test_block_size_override_changes_tiles_not_results(block_sizes):
   with fl.interpret_as("gpu"):
     got = jax.grad(loss("flash_pallas", block_sizes=block_sizes), (0, 1, 2))(q, k, v)
     request, _ = api.prepare(q, k, v, block_sizes=block_sizes)
-    assert gpu.block_shape(request, "cuda") == (32 if isinstance(block_sizes, dict) else 16,
-                                                16 if isinstance(block_sizes, dict) else 32)
+    assert gpu.block_shape(request, "cuda") == (16, 32)
   want = jax.grad(loss("reference"), (0, 1, 2))(q, k, v)
   for got_x, want_x in zip(got, want, strict=True):
     np.testing.assert_allclose(got_x, want_x, atol=5e-5)
@@ -118,10 +114,12 @@ def test_block_size_override_changes_tiles_not_results(block_sizes):
 def test_bad_block_sizes_name_the_field():
   with pytest.raises(ValueError, match="block_q"):
     gpu.GpuBlockSizes(block_q=48)
-  with pytest.raises(ValueError, match="block_qq"):
-    gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], {"block_qq": 64})
+  with pytest.raises(ValueError, match="num_warps"):
+    gpu.GpuBlockSizes(num_warps=3)
   with pytest.raises(TypeError, match="GpuBlockSizes"):
-    gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], (64, 64))
+    gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], {"block_q": 64})
+  # The TPU family's sizes are for the TPU kernels: the GPU keeps its table entry.
+  assert gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], fl.BlockSizes()) == gpu.CONFIG_TABLE[("hopper", 64)]
 
 
 def test_config_table_covers_generations_and_head_dims():

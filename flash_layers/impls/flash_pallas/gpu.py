@@ -33,7 +33,7 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 
 Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
 GPU generation and head_dim, and can be overridden per call with
-`fl.attention(..., block_sizes=GpuBlockSizes(...))` (or a dict of fields).
+`fl.attention(..., block_sizes=fl.GpuBlockSizes(...))`.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -140,19 +139,19 @@ def gpu_generation() -> str:
 
 
 def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
-  """Apply `request.block_sizes`: a GpuBlockSizes, a mapping of fields, or None."""
-  if block_sizes is None:
+  """Apply `request.block_sizes`.
+
+  `jax.lax.platform_dependent` traces both kernel families with the same request,
+  so each family takes its own sizes and uses its defaults for the other's: a
+  `GpuBlockSizes` replaces the table entry, the TPU family's `BlockSizes` is not
+  for us.
+  """
+  if block_sizes is None or type(block_sizes).__name__ == "BlockSizes":
     return base
   if isinstance(block_sizes, GpuBlockSizes):
     return block_sizes
-  if isinstance(block_sizes, Mapping):
-    fields = {f.name for f in dataclasses.fields(GpuBlockSizes)}
-    unknown = sorted(set(block_sizes) - fields)
-    if unknown:
-      raise ValueError(f"block_sizes has unknown GPU fields {unknown}; allowed: {sorted(fields)}")
-    return dataclasses.replace(base, **block_sizes)
-  raise TypeError("block_sizes for the flash_pallas GPU kernels must be a GpuBlockSizes or a dict of "
-                  f"its fields; got {type(block_sizes).__name__}")
+  raise TypeError("block_sizes for the flash_pallas GPU kernels must be a flash_layers.GpuBlockSizes "
+                  f"(or the TPU family's flash_layers.BlockSizes, ignored on GPU); got {block_sizes!r}")
 
 
 def _fit(block: int, length: int) -> int:
