@@ -195,16 +195,18 @@ def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: in
   model = Bert(**fields)
 
   tensors = _normalize_names(load_file(str(file)))
-  params = jax.tree.map(np.asarray, init_params(model, jax.random.key(seed)))
+  # Shapes only (tracing, no compute): the values come from the checkpoint.
+  shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(seed)))
   names = _hf_names(model.num_layers, model.mlm_head)
-  required = [p for p, n in names.items() if not (p[0] == "pooler" or p[0].startswith("mlm"))]
+  required = [p for p in names if not (p[0] == "pooler" or p[0].startswith("mlm"))]
   missing = [names[p] for p in required if names[p] not in tensors]
   if missing:
     raise CheckpointError(f"{file}: missing tensor(s) {missing[:8]}{' ...' if len(missing) > 8 else ''} "
                           f"({len(missing)} in all)")
+  loaded = {}
   for ours, theirs in names.items():
     try:
-      target = _get(params, ours)
+      target = _get(shapes, ours)
     except KeyError:
       continue  # a head this model does not have (e.g. the pooler with pooling="mean")
     if theirs not in tensors:
@@ -215,5 +217,19 @@ def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: in
         raise CheckpointError(f"{file}: tensor {theirs!r} has shape {tuple(value.shape)}; the model "
                               f"needs [positions, {model.hidden_size}]")
       value = extend_positions(np.asarray(value, np.float32), model.max_len, position_extension)
-    _set(params, ours, _convert(ours, theirs, value, tuple(target.shape), file))
+    loaded[ours] = _convert(ours, theirs, value, tuple(target.shape), file)
+  # What the checkpoint lacks (new heads) gets BERT's init: kernels N(0, initializer_range),
+  # LayerNorm scales 1, biases 0. (A full `model.init` would compute the whole encoder.)
+  params = jax.tree.map(lambda _: None, shapes)
+  leaves = jax.tree_util.tree_leaves_with_path(shapes)
+  for i, (key_path, leaf) in enumerate(leaves):
+    path = tuple(k.key for k in key_path)
+    if path in loaded:
+      value = loaded[path]
+    elif path[-1] in ("kernel", "embedding"):
+      rng = jax.random.fold_in(jax.random.key(seed), i)
+      value = np.asarray(jax.random.normal(rng, leaf.shape, np.float32)) * model.initializer_range
+    else:
+      value = np.full(leaf.shape, 1.0 if path[-1] == "scale" else 0.0, np.float32)
+    _set(params, path, value)
   return model, jax.tree.map(lambda x: jax.numpy.asarray(x, model.param_dtype), params)
