@@ -85,13 +85,13 @@ def stock_attention():
     bert.MultiHeadAttention = saved
 
 
-def build(variant: str, seq_len: int):
-  """(model, params-init function) for "flax" or an fl impl name."""
+def build(variant: str, seq_len: int, **overrides):
+  """(model, params-init function) for "flax" or an fl impl name; `overrides` change MINILM's sizes."""
   from flash_layers.models import Bert, init_params
 
   impl = "auto" if variant == STOCK else variant
-  model = Bert(**MINILM, max_len=seq_len, num_labels=NUM_LABELS, pooling="mean", impl=impl,
-               dropout_rate=0.1)
+  model = Bert(**(MINILM | overrides), max_len=seq_len, num_labels=NUM_LABELS, pooling="mean",
+               impl=impl, dropout_rate=0.1)
 
   def init(rng):
     scope = stock_attention() if variant == STOCK else contextlib.nullcontext()
@@ -131,9 +131,10 @@ def make_step(model, variant: str, tx):
   return jax.jit(step, donate_argnums=(0, 1))
 
 
-def random_batch(seq_len: int, batch: int, seed: int = 0) -> dict[str, jax.Array]:
+def random_batch(seq_len: int, batch: int, vocab_size: int = MINILM["vocab_size"],
+                 seed: int = 0) -> dict[str, jax.Array]:
   k1, k2 = jax.random.split(jax.random.key(seed))
-  return {"input_ids": jax.random.randint(k1, (batch, seq_len), 1, MINILM["vocab_size"]),
+  return {"input_ids": jax.random.randint(k1, (batch, seq_len), 1, vocab_size),
           "segment_ids": jnp.ones((batch, seq_len), jnp.int32),
           "labels": jax.random.randint(k2, (batch,), 0, NUM_LABELS)}
 
