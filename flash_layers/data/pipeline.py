@@ -147,6 +147,13 @@ class PackedBatches(grain.IterDataset):
     return _PackedBatchesIterator(self._parent.__iter__(), self._cfg)
 
 
+def _absl_flags_parsed():
+  """grain's worker processes read absl flags; outside an absl app nobody parsed them: use defaults."""
+  from absl import flags
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 def _check_int(name: str, value, *, minimum: int):
   if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
     raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
@@ -187,6 +194,7 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
   ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer))
   it = ds.to_iter_dataset()
   if num_workers:
+    _absl_flags_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
   return PackedBatches(it, batch_size=batch_size, max_len=tokenizer.max_len, max_docs=max_docs_per_row,
                        pad_id=tokenizer.pad_id, pack=pack, drop_remainder=drop_remainder)
