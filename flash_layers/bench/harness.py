@@ -20,6 +20,7 @@ compiled for the TPU and its memory and FLOPs are reported.
 from __future__ import annotations
 
 import dataclasses
+import re
 import statistics
 import time
 from collections.abc import Callable, Iterable
@@ -79,9 +80,9 @@ class Config:
   shape: cases.Shape = cases.Shape()
   repeats: int = 5               # timed runs per cell at most
   cell_seconds: float = 10.0     # stop repeating once the timed runs took this long (>= 2 runs)
-  max_run_seconds: float = 15.0  # don't run a cell predicted to take longer than this per run
+  max_run_seconds: float = 8.0   # don't run a cell predicted to take longer than this per run
   mem_limit_bytes: int = 4 << 30  # don't run a cell whose compiled temp + argument memory exceeds this
-  interpret_max_len: int = 1024  # flash_pallas interpret mode: the longest length run
+  interpret_max_len: int = 2048  # flash_pallas interpret mode: the longest length run
 
 
 def default_mem_limit() -> int:
@@ -156,11 +157,20 @@ def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int |
   return chosen.kernel(request, target.platform), visited, total
 
 
-def _error_status(e: Exception) -> tuple[str, str]:
-  text = f"{type(e).__name__}: {e}".strip().splitlines()[0][:200]
-  if "RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError):
-    return "oom", text
-  return "error", text
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def _error_fields(e: Exception) -> dict[str, Any]:
+  """status "oom" or "error", its reason, and for a compile-time OOM the memory it asked for."""
+  text = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+  if not ("RESOURCE_EXHAUSTED" in text or isinstance(e, MemoryError)):
+    return {"status": "error", "reason": text[:200]}
+  fields = {"status": "oom", "reason": text[:200]}
+  # XLA:TPU says e.g. "the total memory required for HLO temporaries (16.06G) exceeds available HBM".
+  needed = re.search(r"HLO temporaries \(([\d.]+)([KMGT]?)\)", text)
+  if needed:
+    fields["temp_bytes"] = int(float(needed.group(1)) * _UNITS[needed.group(2)])
+  return fields
 
 
 # ----------------------------------------------------------------------------
@@ -233,8 +243,7 @@ def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, conf
     if cost and "flops" in cost:
       row["xla_flops"] = float(cost["flops"])
   except Exception as e:  # a cell never stops the grid
-    status, reason = _error_status(e)
-    return row | {"status": status, "reason": reason}
+    return row | _error_fields(e)
   if not target.runs:
     return row | {"status": "compiled"}
 
@@ -253,8 +262,7 @@ def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, conf
   try:
     seconds, runs = _time(compiled, args, config)
   except Exception as e:
-    status, reason = _error_status(e)
-    return row | {"status": status, "reason": reason}
+    return row | _error_fields(e)
   return row | {"status": "ok", "time_s": seconds, "runs": runs,
                 "gflops_per_s": row["flops"] / seconds / 1e9}
 
