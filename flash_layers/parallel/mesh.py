@@ -83,7 +83,7 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
   return Mesh(grid, AXES, axis_types=types)
 
 
-def _manual_axes(mesh) -> frozenset[str]:
+def manual_axes(mesh) -> frozenset[str]:
   manual = getattr(mesh, "manual_axes", None)
   if manual is not None:
     return frozenset(manual)
@@ -117,6 +117,6 @@ def current_mesh():
 def axis_sizes(mesh) -> dict[str, int]:
   """Sizes of our axes in `mesh`: absent axes, and axes already manual (we are inside the
   user's own shard_map over them), count as 1."""
-  manual = _manual_axes(mesh)
+  manual = manual_axes(mesh)
   shape = dict(mesh.shape)
   return {a: (1 if a in manual else int(shape.get(a, 1))) for a in AXES}

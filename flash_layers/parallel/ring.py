@@ -16,8 +16,11 @@ every device does the same work. The arrays arrive in the contiguous layout
 `shard_map` gives; two ppermutes move them into zig-zag order and two move the
 output back.
 
-Backward is a custom VJP that runs the ring again: dq stays home, dk and dv
-travel with their K/V block and arrive home after n hops. Memory per device is
+Both passes are one `lax.scan` of n (compute, pass on) steps, so each impl
+call is compiled once per chunk pair; the forward's last hop is wasted, a price
+paid for half the compiled code. Backward is a custom VJP that runs the ring
+again: dq stays home, dk and dv travel with their K/V block and arrive home
+after the n-th hop. Memory per device is
 O(len / n): the residuals are the local q, k, v, out and lse only. Each step's
 gradient comes from the impl's own VJP, fed with the share of the output
 cotangent that block produced:
@@ -187,9 +190,7 @@ def _ring(config: RingConfig):
 
     out0 = [jnp.zeros((b, t, h, dv), jnp.float32) for _ in range(chunks)]
     lse0 = [jnp.full((b, h, t), -jnp.inf, jnp.float32) for _ in range(chunks)]
-    (k, v, kv_seg, out_acc, lse_acc), _ = jax.lax.scan(
-        step_fn, (k, v, kv_seg, out0, lse0), jnp.arange(n - 1))
-    out_acc, lse_acc = compute(n - 1, k, v, kv_seg, out_acc, lse_acc)
+    (_, _, _, out_acc, lse_acc), _ = jax.lax.scan(step_fn, (k, v, kv_seg, out0, lse0), jnp.arange(n))
     return [o.astype(q[0].dtype) for o in out_acc], lse_acc
 
   @jax.custom_vjp
@@ -239,10 +240,9 @@ def _ring(config: RingConfig):
       dk, dv, dq = compute(step, k, v, kv_seg, dk, dv, dq)
       return (*_rotate((k, v, kv_seg, dk, dv), config), dq), None
 
-    (k_, v_, kv_seg_, dk, dv, dq), _ = jax.lax.scan(
-        step_fn, (k, v, kv_seg, f32_zeros(k), f32_zeros(v), f32_zeros(q)), jnp.arange(n - 1))
-    dk, dv, dq = compute(n - 1, k_, v_, kv_seg_, dk, dv, dq)
-    dk, dv = _rotate((dk, dv), config)  # the last hop brings each dK/dV home
+    # After n hops every dK/dV block (and its K/V) is home again.
+    (_, _, _, dk, dv, dq), _ = jax.lax.scan(
+        step_fn, (k, v, kv_seg, f32_zeros(k), f32_zeros(v), f32_zeros(q)), jnp.arange(n))
     cast = lambda gs, xs: [g.astype(x.dtype) for g, x in zip(gs, xs, strict=True)]  # noqa: E731
     return cast(dq, q), cast(dk, k), cast(dv, v), None, None
 

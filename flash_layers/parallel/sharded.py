@@ -44,12 +44,9 @@ class Plan:
 
   @property
   def axis_names(self) -> frozenset[str]:
-    used = set(self.batch_axes)
-    if self.tensor > 1:
-      used.add("tensor")
-    if self.sequence > 1:
-      used.add("sequence")
-    return frozenset(used)
+    # Every axis not already manual, also the unused ones (the call is replicated over
+    # them): Pallas interpret mode runs callbacks, which need a fully manual mesh.
+    return frozenset(self.mesh.axis_names) - mesh_lib.manual_axes(self.mesh)
 
   def describe(self, request: Request) -> str:
     sizes = mesh_lib.axis_sizes(self.mesh)

@@ -1,0 +1,155 @@
+"""Checks of sharded attention that need several devices, run in a subprocess by test_parallel.py.
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_worker.py meshes IMPL,...
+    ... parallel_worker.py hlo
+    ... parallel_worker.py process ID NUM_PROCESSES PORT     (one process of a multi-process job)
+
+Each check prints one JSON object per line, prefixed by RESULT, so the test can
+start JAX once and check many things. Errors are relative: max |sharded - unsharded|
+over max |unsharded|, for the output and each gradient.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import flash_layers as fl
+from flash_layers import parallel
+
+MESHES = ((8, 1, 1, 1), (2, 1, 4, 1), (1, 1, 2, 4), (2, 1, 1, 4), (1, 2, 1, 4))
+SEQUENCE_MESHES = tuple(m for m in MESHES if m[3] > 1)
+
+
+def emit(**fields):
+  print("RESULT " + json.dumps(fields), flush=True)
+
+
+def problem(case: str, batch=8, length=64, heads=4, head_dim=16, seed=0):
+  """q, k, v and attention kwargs of a named case.
+
+  causal_packed_gqa: causal, packed documents then padding (id 0), 2 kv heads; the keys
+    lack document 2, so its queries see nothing (rows 0, gradients 0).
+  window_mqa: a (5, 2) window, one kv head, no causal mask (the contiguous ring layout).
+  """
+  rng = np.random.default_rng(seed)
+  kv_heads = {"causal_packed_gqa": 2, "window_mqa": 1}[case]
+  q = rng.standard_normal((batch, length, heads, head_dim))
+  k = rng.standard_normal((batch, length, kv_heads, head_dim))
+  v = rng.standard_normal((batch, length, kv_heads, head_dim))
+  q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+  if case == "window_mqa":
+    return q, k, v, {"window": (5, 2)}
+  seg = np.zeros((batch, length), np.int32)
+  for row in range(batch):
+    bounds = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
+    for doc, (lo, hi) in enumerate(zip((0, *bounds[:-1]), bounds, strict=True)):
+      seg[row, lo:hi] = doc + 1
+  kv_seg = np.where(seg == 2, 7, seg)
+  return q, k, v, {"causal": True, "segment_ids": jnp.asarray(seg), "kv_segment_ids": jnp.asarray(kv_seg)}
+
+
+def value_and_grads(impl, mesh, kwargs):
+  """jit(q, k, v, arrays) -> ((dq, dk, dv), out); `arrays` are the array entries of kwargs."""
+  static = {name: x for name, x in kwargs.items() if not hasattr(x, "shape")}
+
+  def loss(q, k, v, arrays):
+    out = fl.attention(q, k, v, impl=impl, mesh=mesh, **static, **arrays)
+    return jnp.sum(jnp.sin(out) * jnp.arange(out.shape[-1])), out
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
+
+
+def arrays_of(kwargs):
+  return {name: x for name, x in kwargs.items() if hasattr(x, "shape")}
+
+
+def relative_errors(actual, expected) -> dict[str, float]:
+  names = ("dq", "dk", "dv", "out")
+  actual, expected = jax.tree.leaves(actual), jax.tree.leaves(expected)
+  errors = {}
+  for name, a, e in zip(names, actual, expected, strict=True):
+    a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
+    errors[name] = float(np.max(np.abs(a - e)) / max(np.max(np.abs(e)), 1e-30))
+  return errors
+
+
+CASES = {"causal_packed_gqa": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4))}
+
+
+def check_meshes(impls):
+  """Forward and gradients of each sharded call against the same impl unsharded."""
+  for impl in impls:
+    for case, meshes in CASES.items():
+      q, k, v, kwargs = problem(case)
+      expected = value_and_grads(impl, None, kwargs)(q, k, v, arrays_of(kwargs))
+      for shape in meshes:
+        mesh = parallel.make_mesh(*shape)
+        try:
+          actual = value_and_grads(impl, mesh, kwargs)(q, k, v, arrays_of(kwargs))
+          emit(check="mesh", impl=impl, case=case, mesh=list(shape),
+               errors=relative_errors(actual, expected),
+               explain=str(fl.explain(q, k, v, impl=impl, mesh=mesh, **kwargs)))
+        except Exception as e:  # report, and go on with the other meshes
+          emit(check="mesh", impl=impl, case=case, mesh=list(shape), error=f"{type(e).__name__}: {e}")
+
+
+def check_hlo(length=1536, sequence=8):
+  """The compiled ring: collective-permutes, and no buffer holding the whole sequence."""
+  mesh = parallel.make_mesh(sequence=sequence)
+  q = jax.ShapeDtypeStruct((1, length, 2, 32), jnp.float32)
+  seg = jax.ShapeDtypeStruct((1, length), jnp.int32)
+  sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
+  for impl in ("reference", "xla_chunked"):
+    def loss(q, k, v, seg):
+      out = fl.attention(q, k, v, impl=impl, causal=True, segment_ids=seg, mesh=mesh)
+      return jnp.sum(out ** 2)
+
+    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(sharding,) * 4,
+                   out_shardings=(sharding,) * 3)
+    text = step.lower(q, q, q, seg).compile().as_text()
+    ops = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text))
+           for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce")}
+    # Any array with a dimension of the full length would be a gathered sequence.
+    full = sorted(set(re.findall(rf"\w+\[[0-9,]*\b{length}\b[0-9,]*\]", text)))
+    emit(check="hlo", impl=impl, ops=ops, full_length_shapes=full[:10],
+         local_length=length // sequence)
+
+
+def check_process(process_id: int, num_processes: int, port: int):
+  """One process of a multi-process job: sharded calls against this process's unsharded result."""
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
+                             process_id=process_id)
+  n = len(jax.devices())
+  for case in CASES:
+    q, k, v, kwargs = problem(case, batch=4, length=32)
+    expected = value_and_grads("reference", None, kwargs)(q, k, v, arrays_of(kwargs))  # local device
+    for shape in ((1, 1, 1, n), (2, 1, n // 2, 1), (1, 1, 2, n // 2)):
+      mesh = parallel.make_mesh(*shape)
+      replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      # Global arrays: every process holds the same values (same seed).
+      to_global = lambda x, s=replicated: jax.make_array_from_callback(x.shape, s, lambda i, x=x: x[i])
+      step = jax.jit(value_and_grads("reference", mesh, kwargs), out_shardings=replicated)
+      actual = step(*(to_global(x) for x in (q, k, v)), jax.tree.map(to_global, arrays_of(kwargs)))
+      actual = jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), actual)
+      emit(check="process", process=process_id, devices=n, case=case, mesh=list(shape),
+           errors=relative_errors(actual, expected))
+  jax.distributed.shutdown()
+
+
+if __name__ == "__main__":
+  what = sys.argv[1]
+  if what == "meshes":
+    check_meshes(sys.argv[2].split(","))
+  elif what == "hlo":
+    check_hlo()
+  elif what == "process":
+    check_process(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
+  else:
+    raise SystemExit(f"unknown check {what!r}; one of meshes, hlo, process")
