@@ -69,6 +69,9 @@ def test_quick_grid_writes_every_cell_json_and_plots(tmp_path, capsys):
     assert r.keys() >= REQUIRED and r["status"] in STATUSES, r
     vis = _numpy_visible(r["mask"], r["batch"], r["seq_len"])
     assert r["visible_pairs"] == vis.sum()
+    if r.get("blocks_ideal") is not None:
+      # An exact-or-conservative block map visits every tile holding a visible pair.
+      assert r["blocks_total"] >= r["blocks_visited"] >= r["blocks_ideal"] >= r["blocks_lower_bound"] > 0
     if r["status"] == "ok":
       assert r["time_s"] > 0 and r["runs"] >= 1 and r["temp_bytes"] >= 0
       assert r["gflops_per_s"] == pytest.approx(r["flops"] / r["time_s"] / 1e9)

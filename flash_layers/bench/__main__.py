@@ -55,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--tpu-aot", metavar="CHIP",
                  help="compile for this TPU (e.g. v5e, v5e:1x1, v4:2x2x1) instead of running: "
                       "reports compiled memory and FLOPs; needs libtpu")
+  p.add_argument("--summary", action="store_true",
+                 help="print impl x length tables per mask, dtype and pass instead of one row per cell")
   p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rewritten as rows finish)")
   p.add_argument("--from-json", metavar="PATH", nargs="+",
                  help="run nothing: merge these JSON row lists (a later row replaces an earlier one of "
@@ -100,7 +102,7 @@ def main(argv=None) -> int:
   else:
     rows = run(args)
     prefix = "tpu-aot-" if args.tpu_aot else ""
-  print(report.markdown(rows))
+  print(report.summary(rows) if args.summary else report.markdown(rows))
   if args.json:
     report.write_json(rows, args.json)
   if args.plots:

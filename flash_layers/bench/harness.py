@@ -191,15 +191,20 @@ class _Work:
     return self._cache[key]
 
 
-def _ideal_blocks(work: _Work, mask, seq_len, kwargs, shape, total) -> int | None:
-  """Tiles holding >= 1 visible pair at the impl's tile shape (inferred from its total)."""
+def _tile_counts(work: _Work, mask, seq_len, kwargs, shape, total, pairs) -> dict[str, Any]:
+  """Two yardsticks for blocks visited, at the impl's tile shape (inferred from its total; square).
+
+  blocks_ideal:       tiles holding >= 1 visible pair: what an exact block-sparse kernel visits.
+  blocks_lower_bound: visible pairs / tile area: the tiles the pairs would fill if packed densely.
+  """
   per_row = total // (shape.batch * shape.heads)
   side = int(round(per_row ** 0.5))
   if side * side != per_row or seq_len % side:
-    return None  # non-square tiling: no ideal count
+    return {}  # non-square tiling: no yardstick
   block = seq_len // side
   _, tiles = work(mask, seq_len, kwargs, (block, block))
-  return tiles * shape.heads
+  return {"block": block, "blocks_ideal": tiles * shape.heads,
+          "blocks_lower_bound": -(-pairs * shape.heads // (block * block))}
 
 
 def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, config: Config,
@@ -219,8 +224,10 @@ def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, conf
     return row | {"status": "unsupported", "reason": str(e).splitlines()[0][:200]}
   row |= {"kernel": kernel, "blocks_visited": visited, "blocks_total": total}
   if visited is not None:
-    ideal = _ideal_blocks(work, mask, seq_len, kwargs, shape, total)
-    row |= {"blocks_ideal": ideal, "blocks_over_ideal": visited / ideal if ideal else None}
+    row |= _tile_counts(work, mask, seq_len, kwargs, shape, total, pairs)
+    if row.get("blocks_ideal"):
+      row["blocks_over_ideal"] = visited / row["blocks_ideal"]
+      row["blocks_over_lower_bound"] = visited / row["blocks_lower_bound"]
 
   interpreted = "interpret" in kernel
   if interpreted and target.runs and seq_len > config.interpret_max_len:
@@ -251,6 +258,8 @@ def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, conf
   if needed > config.mem_limit_bytes:
     return row | {"status": "not run", "reason": f"compiled memory {needed / 2**30:.1f} GiB > "
                   f"limit {config.mem_limit_bytes / 2**30:.1f} GiB"}
+  if previous is not None and previous.get("blocked_at"):
+    return row | {"status": "not run", "reason": f"length {previous['blocked_at']} was not run"}
   if previous is not None and previous.get("time_s"):
     # Block-sparse impls scale with the visible work, dense ones with length squared.
     ratio = (row["flops"] / previous["flops"] if visited is not None
@@ -279,10 +288,9 @@ def run_grid(config: Config, target: Target,
                      previous=previous)
       if row["status"] == "ok":
         previous = row
-      elif row["status"] in ("not run", "oom") and previous is not None and previous.get("time_s"):
-        # Longer lengths only cost more: keep the last timed row as the basis of prediction,
-        # but make sure they are never run after a length that was not.
-        previous = previous | {"time_s": float("inf")}
+      elif row["status"] in ("not run", "oom") and previous is not None and not previous.get("blocked_at"):
+        # Longer lengths only cost more: none runs after a length that did not.
+        previous = previous | {"blocked_at": seq_len}
       rows.append(row)
       if progress is not None:
         progress(row)

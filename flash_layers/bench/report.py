@@ -21,7 +21,7 @@ def _blocks(row: dict[str, Any]) -> str:
     return ""
   text = f"{row['blocks_visited']}/{row['blocks_total']}"
   if row.get("blocks_over_ideal"):
-    text += f" ({row['blocks_over_ideal']:.2f}x ideal)"
+    text += f" ({row['blocks_over_ideal']:.2f}x ideal, {row['blocks_over_lower_bound']:.2f}x dense)"
   return text
 
 
@@ -109,3 +109,40 @@ def plot(rows: list[dict[str, Any]], out_dir: str, *, prefix: str = "") -> list[
       plt.close(fig)
       paths.append(path)
   return paths
+
+
+def pivot(rows: list[dict[str, Any]], field: str, *, mask: str, dtype: str, pass_: str,
+          scale: float = 1.0, spec: str = ".1f") -> str:
+  """A compact table: one line per impl, one column per length, `field` * scale in the cells.
+
+  A cell that did not run shows its status ("not run", "unsupported", ...) in short.
+  """
+  sel = [r for r in rows if (r["mask"], r["dtype"], r["pass"]) == (mask, dtype, pass_)]
+  lengths = sorted({r["seq_len"] for r in sel})
+  impls = list(dict.fromkeys(r["impl"] for r in sel))
+  by_cell = {(r["impl"], r["seq_len"]): r for r in sel}
+  lines = ["| impl | " + " | ".join(str(n) for n in lengths) + " |", "|---|" + "---|" * len(lengths)]
+  for impl in impls:
+    cells = []
+    for n in lengths:
+      r = by_cell.get((impl, n))
+      value = None if r is None else r.get(field)
+      if value:
+        cells.append(format(value * scale, spec))
+      else:
+        cells.append("" if r is None else {"not run": "-", "unsupported": "n/a"}.get(r["status"],
+                                                                                     r["status"]))
+    lines.append(f"| {impl} | " + " | ".join(cells) + " |")
+  return "\n".join(lines)
+
+
+def summary(rows: list[dict[str, Any]]) -> str:
+  """Per (dtype, pass, mask): time (ms) and compiled temp memory (MiB) by impl and length."""
+  parts = []
+  for dtype, pass_ in sorted({(r["dtype"], r["pass"]) for r in rows}):
+    for mask in dict.fromkeys(r["mask"] for r in rows):
+      parts.append(f"**{mask}, {dtype}, {pass_}: median time (ms)**\n\n"
+                   + pivot(rows, "time_s", mask=mask, dtype=dtype, pass_=pass_, scale=1e3))
+      parts.append(f"**{mask}, {dtype}, {pass_}: compiled temp memory (MiB)**\n\n"
+                   + pivot(rows, "temp_bytes", mask=mask, dtype=dtype, pass_=pass_, scale=1 / _MIB))
+  return "\n\n".join(parts)
