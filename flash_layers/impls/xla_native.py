@@ -59,6 +59,7 @@ class XlaNative:
                                             is_causal=is_causal, return_residual=True)
     out = out.astype(dtype)
     lse = jnp.swapaxes(lse.astype(jnp.float32), 1, 2)  # [b, t, h] -> [b, h, t]
+    lse = lse + _lse_gradient(q, k, mask, request.scale, is_causal)
     if mask is not None:
       # XLA gives a row with no visible key the mean of all values; the contract says 0.
       has_key = jnp.any(jnp.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[1])),
@@ -66,3 +67,21 @@ class XlaNative:
       out = jnp.where(jnp.swapaxes(has_key, 1, 2)[..., None], out, 0).astype(dtype)
       lse = jnp.where(has_key, lse, -jnp.inf)
     return out, lse
+
+
+def _lse_gradient(q, k, mask, scale, is_causal):
+  """Zero, with the gradient of lse: `dot_product_attention`'s residual carries none.
+
+  d lse_i / d q_i = scale * sum_j p_ij k_j and d lse_i / d k_j = scale * p_ij q_i. With
+  `keys_mean_i = sum_j p_ij k_j` computed with p held constant (its gradient in k is p^T),
+  ``scale * (q . sg(keys_mean) + sg(q) . keys_mean)`` has exactly that gradient. XLA drops
+  the extra attention call when nothing uses lse (attention() alone never does; ring
+  attention does).
+  """
+  sg = jax.lax.stop_gradient
+  keys_mean = jax.nn.dot_product_attention(sg(q), sg(k), k, mask=mask, scale=scale,
+                                           is_causal=is_causal).astype(jnp.float32)
+  q32 = q.astype(jnp.float32)
+  surrogate = scale * jnp.sum(q32 * sg(keys_mean) + sg(q32) * keys_mean, axis=-1)  # [b, t, h]
+  surrogate = jnp.swapaxes(surrogate, 1, 2)
+  return surrogate - sg(surrogate)
