@@ -128,7 +128,7 @@ def gpu_generation() -> str:
   """'hopper' (sm_90+) or 'ampere' (sm_8x) from the local GPU; 'hopper' when there is none."""
   try:
     device = jax.local_devices(backend="gpu")[0]
-  except RuntimeError:
+  except (RuntimeError, ValueError):  # no GPU backend in this process
     return "hopper"
   capability = str(getattr(device, "compute_capability", "9.0"))
   try:
@@ -200,44 +200,39 @@ def block_shape(request: Request, platform: str) -> tuple[int, int]:
 
 @dataclasses.dataclass(frozen=True)
 class _Static:
-  q_len: int
-  kv_len: int
-  num_heads: int
-  num_kv_heads: int
-  head_dim: int
-  head_dim_v: int
-  spec: masks.MaskSpec
-  has_segments: bool
-  scale: float
-  softcap: float | None
-  cfg: GpuBlockSizes
+  request: Request
+  cfg: GpuBlockSizes  # config(request): the tiles actually used
   interpret: bool
 
   @property
+  def has_segments(self) -> bool:
+    return self.request.has_segment_ids
+
+  @property
   def group(self) -> int:
-    return self.num_heads // self.num_kv_heads
+    return self.request.num_heads // self.request.num_kv_heads
 
   @property
   def q_pad(self) -> int:  # padded q length: a multiple of every q tile
-    return _round_up(self.q_len, max(self.cfg.block_q, self.cfg.block_q_bwd))
+    return _round_up(self.request.q_len, max(self.cfg.block_q, self.cfg.block_q_bwd))
 
   @property
   def kv_pad(self) -> int:
-    return _round_up(self.kv_len, max(self.cfg.block_kv, self.cfg.block_kv_bwd))
+    return _round_up(self.request.kv_len, max(self.cfg.block_kv, self.cfg.block_kv_bwd))
 
   @property
   def d_pad(self) -> int:
-    return max(MIN_TILE, pl.next_power_of_2(self.head_dim))
+    return max(MIN_TILE, pl.next_power_of_2(self.request.head_dim))
 
   @property
   def dv_pad(self) -> int:
-    return max(MIN_TILE, pl.next_power_of_2(self.head_dim_v))
+    return max(MIN_TILE, pl.next_power_of_2(self.request.head_dim_v))
 
   @property
   def needs_mask(self) -> bool:
     """Whether tiles need the element mask at all (else every loaded pair is visible)."""
-    return (self.spec.causal or self.spec.window is not None or self.has_segments
-            or self.kv_len != self.kv_pad)
+    return (self.request.spec.causal or self.request.spec.window is not None or self.has_segments
+            or self.request.kv_len != self.kv_pad)
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -257,21 +252,21 @@ def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, offset
   """
   raw = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   tanh_t = None
-  if st.softcap is None:
-    s2 = raw * (st.scale * LOG2E)
+  if st.request.softcap is None:
+    s2 = raw * (st.request.scale * LOG2E)
   else:
-    tanh_t = jnp.tanh(raw * (st.scale / st.softcap))
-    s2 = tanh_t * (st.softcap * LOG2E)
+    tanh_t = jnp.tanh(raw * (st.request.scale / st.request.softcap))
+    s2 = tanh_t * (st.request.softcap * LOG2E)
   if st.needs_mask:
     q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
     q_pos = (offsets_ref[0] + q_local)[:, None]
     kv_pos = (offsets_ref[1] + kv_local)[None, :]
-    ok = masks.visible(q_pos, kv_pos, st.spec,
+    ok = masks.visible(q_pos, kv_pos, st.request.spec,
                        None if q_seg is None else q_seg[:, None],
                        None if kv_seg is None else kv_seg[None, :])
-    if st.kv_len != st.kv_pad:
-      ok = ok & (kv_local < st.kv_len)[None, :]
+    if st.request.kv_len != st.kv_pad:
+      ok = ok & (kv_local < st.request.kv_len)[None, :]
     s2 = jnp.where(ok, s2, -jnp.inf)
   return s2, tanh_t
 
@@ -296,7 +291,7 @@ def _forward_kernel(st: _Static, *refs):
   q_ref, k_ref, v_ref, o_ref, lse_ref = refs
   block_q, block_kv = st.cfg.block_q, st.cfg.block_kv
   q_block, bh = pl.program_id(0), pl.program_id(1)
-  map_row = bh // st.num_heads if st.has_segments else 0  # block map batch row
+  map_row = bh // st.request.num_heads if st.has_segments else 0  # block map batch row
 
   q = q_ref[...]
   q_seg = q_seg_ref[...] if st.has_segments else None
@@ -341,7 +336,7 @@ def _dkv_kernel(st: _Static, *refs):
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   kv_block, bkv = pl.program_id(0), pl.program_id(1)
-  map_row = bkv // st.num_kv_heads if st.has_segments else 0
+  map_row = bkv // st.request.num_kv_heads if st.has_segments else 0
 
   k, v = k_ref[...], v_ref[...]
   kv_seg = kv_seg_ref[...] if st.has_segments else None
@@ -371,7 +366,7 @@ def _dkv_kernel(st: _Static, *refs):
 
   init = (jnp.zeros((block_kv, st.d_pad), jnp.float32), jnp.zeros((block_kv, st.dv_pad), jnp.float32))
   dk, dv = lax.fori_loop(0, st.group, per_head, init)
-  dk_ref[...] = (dk * st.scale).astype(dk_ref.dtype)
+  dk_ref[...] = (dk * st.request.scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -383,7 +378,7 @@ def _dq_kernel(st: _Static, *refs):
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   q_block, bh = pl.program_id(0), pl.program_id(1)
-  map_row = bh // st.num_heads if st.has_segments else 0
+  map_row = bh // st.request.num_heads if st.has_segments else 0
 
   q, do = q_ref[...], do_ref[...]
   lse2, delta = lse2_ref[...], delta_ref[...]
@@ -405,16 +400,21 @@ def _dq_kernel(st: _Static, *refs):
 
   dq = lax.fori_loop(0, kv_count_ref[map_row, q_block], visit,
                      jnp.zeros((block_q, st.d_pad), jnp.float32))
-  dq_ref[...] = (dq * st.scale).astype(dq_ref.dtype)
+  dq_ref[...] = (dq * st.request.scale).astype(dq_ref.dtype)
 
 
 # ----------------------------------------------------------------------------
 # pallas_call wrappers (arrays already padded)
 # ----------------------------------------------------------------------------
 
-def _visible_fraction(st: _Static) -> float:
-  """A static guess of the visible share of q x kv for the cost estimate."""
-  return 0.5 if st.spec.causal else 1.0
+def _visible_pairs(st: _Static, batch: int) -> int:
+  """(query, key) pairs the mask leaves visible, over batch and heads, for the cost estimates.
+
+  Causal and window are counted exactly (at offset 0; the offsets may be traced),
+  segment ids not at all: an upper bound.
+  """
+  r = st.request
+  return batch * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec)
 
 
 def _mask_inputs(st: _Static, bmap_index, bmap_count, offsets, q_seg, kv_seg, *, by_q: bool,
@@ -440,9 +440,9 @@ def _mask_inputs(st: _Static, bmap_index, bmap_count, offsets, q_seg, kv_seg, *,
 
 def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets):
   batch = q.shape[0]
-  h, g = st.num_heads, st.group
+  h, g = st.request.num_heads, st.group
   cfg = st.cfg
-  num_q_blocks = -(-st.q_len // cfg.block_q)
+  num_q_blocks = -(-st.request.q_len // cfg.block_q)
   arrays, specs = _mask_inputs(st, bmap.kv_index, bmap.kv_count, offsets, q_seg, kv_seg, by_q=True,
                                block_q=cfg.block_q, block_kv=cfg.block_kv, heads=h)
   specs += [
@@ -456,10 +456,10 @@ def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, off
   ]
   out_shape = [jax.ShapeDtypeStruct((batch, st.q_pad, h, st.dv_pad), q.dtype),
                jax.ShapeDtypeStruct((batch, h, st.q_pad), jnp.float32)]
-  pairs = batch * h * st.q_len * st.kv_len * _visible_fraction(st)
+  pairs = _visible_pairs(st, batch)
   cost = pl.CostEstimate(
-      flops=int(2 * pairs * (st.head_dim + st.head_dim_v)),
-      transcendentals=int(pairs * (2 if st.softcap else 1)),
+      flops=2 * pairs * (st.request.head_dim + st.request.head_dim_v),  # QK^T, PV
+      transcendentals=int(pairs * (2 if st.request.softcap else 1)),
       bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in (q, k, v)) * 2))
   return pl.pallas_call(
       functools.partial(_forward_kernel, st), grid=(num_q_blocks, batch * h),
@@ -472,13 +472,13 @@ def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, off
 def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets, do, lse2,
                     delta):
   batch = q.shape[0]
-  h, kvh, g = st.num_heads, st.num_kv_heads, st.group
+  h, kvh, g = st.request.num_heads, st.request.num_kv_heads, st.group
   cfg = st.cfg
   block_q, block_kv = cfg.block_q_bwd, cfg.block_kv_bwd
-  num_q_blocks = -(-st.q_len // block_q)
-  num_kv_blocks = -(-st.kv_len // block_kv)
+  num_q_blocks = -(-st.request.q_len // block_q)
+  num_kv_blocks = -(-st.request.kv_len // block_kv)
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
-  pairs = batch * h * st.q_len * st.kv_len * _visible_fraction(st)
+  pairs = _visible_pairs(st, batch)
   io_bytes = int(sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2)
 
   # dK/dV: program (kv block, b * kv head); Q, dO, lse, D of the group's heads stay whole.
@@ -502,7 +502,7 @@ def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, o
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dkv",
       cost_estimate=pl.CostEstimate(
-          flops=int(2 * pairs * (3 * st.head_dim + st.head_dim_v + st.head_dim_v)),
+          flops=4 * pairs * (st.request.head_dim + st.request.head_dim_v),  # QK^T, P^T dO, dO V^T, dS^T Q
           transcendentals=int(pairs), bytes_accessed=io_bytes),
   )(*arrays, q, k, v, do, lse2, delta)
 
@@ -524,7 +524,7 @@ def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, o
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dq",
       cost_estimate=pl.CostEstimate(
-          flops=int(2 * pairs * (2 * st.head_dim + st.head_dim_v)),
+          flops=2 * pairs * (2 * st.request.head_dim + st.request.head_dim_v),  # QK^T, dO V^T, dS K
           transcendentals=int(pairs), bytes_accessed=io_bytes),
   )(*arrays, q, k, v, do, lse2, delta)
   return dq, dk, dv
@@ -558,14 +558,15 @@ def _flash(st: _Static, q, k, v, q_seg, kv_seg, offsets):
 
 def _block_map(st: _Static, block_q: int, block_kv: int, q_seg, kv_seg, offsets) -> masks.BlockMap:
   """The shared block map for these tiles (on the unpadded segment ids)."""
-  return masks.block_map(st.q_len, st.kv_len, block_q, block_kv, st.spec, q_seg, kv_seg,
-                         offsets[0], offsets[1])
+  r = st.request
+  return masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg, offsets[0], offsets[1])
 
 
 def _flash_forward(st, q, k, v, q_seg, kv_seg, offsets):
   bmap = _block_map(st, st.cfg.block_q, st.cfg.block_kv, q_seg, kv_seg, offsets)
   out, lse = _forward_call(st, bmap, *_pad_inputs(st, q, k, v, q_seg, kv_seg), offsets)
-  out, lse = out[:, :st.q_len, :, :st.head_dim_v], lse[:, :, :st.q_len]
+  r = st.request
+  out, lse = out[:, :r.q_len, :, :r.head_dim_v], lse[:, :, :r.q_len]
   return (out, lse), (q, k, v, q_seg, kv_seg, offsets, out, lse)
 
 
@@ -583,9 +584,9 @@ def _flash_backward(st, residuals, cotangents):
   delta = _pad_to(delta, 2, st.q_pad)
   bmap = _block_map(st, st.cfg.block_q_bwd, st.cfg.block_kv_bwd, q_seg, kv_seg, offsets)
   dq, dk, dv = _backward_calls(st, bmap, qp, kp, vp, q_seg_p, kv_seg_p, offsets, do, lse2, delta)
-  dq = dq[:, :st.q_len, :, :st.head_dim]
-  dk = dk[:, :st.kv_len, :, :st.head_dim]
-  dv = dv[:, :st.kv_len, :, :st.head_dim_v]
+  r = st.request
+  dq = dq[:, :r.q_len, :, :r.head_dim]
+  dk, dv = dk[:, :r.kv_len, :, :r.head_dim], dv[:, :r.kv_len, :, :r.head_dim_v]
   return dq, dk, dv, None, None, None
 
 
@@ -594,10 +595,6 @@ _flash.defvjp(_flash_forward, _flash_backward)
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
-  st = _Static(
-      q_len=request.q_len, kv_len=request.kv_len, num_heads=request.num_heads,
-      num_kv_heads=request.num_kv_heads, head_dim=request.head_dim, head_dim_v=request.head_dim_v,
-      spec=request.spec, has_segments=args.q_segment_ids is not None, scale=float(request.scale),
-      softcap=request.softcap, cfg=config(request), interpret=bool(interpret))
+  st = _Static(request, config(request), bool(interpret))
   offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
   return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)
