@@ -76,6 +76,9 @@ def default_config() -> ml_collections.ConfigDict:
   # training only, evaluation keeps one document per row.
   d.packing = False
   d.max_docs_per_row = 8
+  # Shuffle the training data (seeded by config.seed, reshuffled each epoch);
+  # False keeps file order.
+  d.shuffle = True
   # Worker processes for tokenization (0 = in the main process).
   d.num_workers = 0
   # Number of examples per split for generated datasets (listops); None = the default.

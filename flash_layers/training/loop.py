@@ -159,15 +159,30 @@ class PreemptionWatch:
 
 @contextlib.contextmanager
 def sharding_context(mesh: Mesh):
-  """The logical rules that the model's sharding annotations resolve against.
+  """The logical rules for the model's annotations, and the mesh for its attention layers.
 
-  Not (yet) the mesh as a context: flax checks a param's shape by tracing its initializer,
-  and DenseGeneral's reshape of a logically-boxed kernel then fails under a mesh context
-  (requests.md). Params and batches are placed explicitly instead, and XLA propagates
-  their shardings through the step.
+  Attention must know the mesh to run in shard_map (Pallas kernels cannot be
+  partitioned by XLA; the ring needs the sequence axis). A global mesh context
+  (jax.set_mesh) would also reach flax's param shape check, where DenseGeneral's
+  reshape of a logically-boxed kernel fails (requests.md). So the mesh is made
+  current only while an attention layer runs -- and not inside its Dense
+  projections -- with a flax method interceptor. Params and batches are placed
+  explicitly; XLA propagates their shardings through the rest of the step.
   """
-  del mesh
-  with nn.logical_axis_rules(LOGICAL_RULES):
+  from flash_layers.layers import MultiHeadAttention
+
+  no_mesh = jax.sharding.AbstractMesh((), ())
+
+  def interceptor(next_fun, args, kwargs, context):
+    if isinstance(context.module, MultiHeadAttention) and context.method_name == "__call__":
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        return next_fun(*args, **kwargs)
+    if isinstance(context.module, nn.DenseGeneral):
+      with jax.sharding.use_abstract_mesh(no_mesh):
+        return next_fun(*args, **kwargs)
+    return next_fun(*args, **kwargs)
+
+  with nn.logical_axis_rules(LOGICAL_RULES), nn.intercept_methods(interceptor):
     yield
 
 
@@ -277,10 +292,11 @@ class Trainer:
           stop = preemption.should_stop()
           # A window is checked for NaN/Inf before anything is saved from it.
           if done % train.log_every == 0 or save_now or eval_now or stop or last_step:
-            self._flush(window, done, time.perf_counter() - window_start, flops_per_step, writer, progress)
+            self._flush(window, done, window_start, flops_per_step, writer, progress)
             window, window_start = [], time.perf_counter()
           if eval_now:
             last_dev = self._dev_eval(state, done, writer)
+            window_start = time.perf_counter()  # throughput counts training time only
           if save_now or stop:
             self._save(state, done)
           if stop:
@@ -300,11 +316,12 @@ class Trainer:
       self._summary(result)
     return result
 
-  def _flush(self, window, done, seconds, flops_per_step, writer, progress):
+  def _flush(self, window, done, window_start, flops_per_step, writer, progress):
     """Fetch a window of step metrics (the only host sync), check them, log them."""
     if not window:
       return
-    fetched = jax.device_get(window)
+    fetched = jax.device_get(window)  # waits for the window's steps to finish
+    seconds = time.perf_counter() - window_start
     first = done - len(fetched) + 1
     for offset, values in enumerate(fetched):
       if not math.isfinite(float(values["loss"])):
@@ -334,6 +351,8 @@ class Trainer:
 
   def _dev_eval(self, state, step, writer) -> dict:
     batches, count = self.task.eval_batches("dev")
+    if self.config.train.eval_max_batches:
+      count = min(count, self.config.train.eval_max_batches)
     result = evaluate(self.eval_step, state.params, batches, count, None, self.mesh, self.task.seq_len,
                       num_labels=self.task.num_labels)
     values = {k: v for k, v in result.items() if k != "confusion_matrix"}

@@ -36,23 +36,23 @@ def learning_rate_schedule(train: ml_collections.ConfigDict) -> optax.Schedule:
 
 
 def _path_names(path) -> list[str]:
-  names = []
-  for entry in path:
-    name = getattr(entry, "key", None) or getattr(entry, "name", None)
-    names.append(str(name if name is not None else entry))
-  return names
+  """Dict keys of a param's path; attribute steps (a logical-partitioning box's
+  `.value`) are skipped, so boxed and unboxed params get the same mask."""
+  return [str(entry.key) for entry in path if isinstance(entry, jax.tree_util.DictKey)]
 
 
 def decay_mask(params):
-  """True where weight decay applies: matrices that are not embedding tables.
+  """True where weight decay applies: weight matrices, not embedding tables.
 
-  Following BERT, LayerNorm scales, biases (all 1-D) and embedding tables (any
-  parameter whose path names an embedding) are not decayed.
+  Following BERT, LayerNorm scales, biases (whatever their rank: attention biases
+  are [heads, head_dim]) and embedding tables (any parameter whose path names an
+  embedding) are not decayed.
   """
   def decays(path, leaf) -> bool:
-    if getattr(leaf, "ndim", 0) < 2:
+    names = [name.lower() for name in _path_names(path)]
+    if any("embed" in name for name in names) or "bias" in names[-1] or names[-1] == "scale":
       return False
-    return not any("embed" in name.lower() for name in _path_names(path))
+    return getattr(leaf, "ndim", 0) >= 2
   return jax.tree_util.tree_map_with_path(decays, params)
 
 

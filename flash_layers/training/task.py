@@ -158,7 +158,7 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
     d = config.data
     train_batches = data_lib.make_batches(
       train_records, tokenizer, batch_size=local_batch_size(config.train.batch_size), pack=d.packing,
-      max_docs_per_row=d.max_docs_per_row if d.packing else None, shuffle=True, seed=config.seed,
+      max_docs_per_row=d.max_docs_per_row if d.packing else None, shuffle=d.shuffle, seed=config.seed,
       num_epochs=None, num_workers=d.num_workers)
 
   def eval_batches(split: str):

@@ -1,0 +1,109 @@
+"""Pod dry run: compile the full sharded train step for a TPU slice from any host with libtpu.
+
+    python train.py --config configs/tpu_pod.py --aot_topology v5p:4x4x4
+
+Nothing runs and no data is read: the state and the batch are abstract (shapes,
+dtypes, shardings on the slice's devices from `jax.experimental.topologies`),
+and XLA's compiled-memory and cost analyses give per-chip HBM and FLOPs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+
+from flash_layers import models
+from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
+from flash_layers.training import config as config_lib
+from flash_layers.training import loop
+from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import state as state_lib
+from flash_layers.training import steps as steps_lib
+from flash_layers.training.distributed import setup_logging
+from flash_layers.training.task import build_model, make_logits_fn
+
+log = logging.getLogger("flash_layers.training")
+
+GiB = 2**30
+
+
+def topology_devices(topology: str):
+  from jax.experimental import topologies
+  try:
+    return topologies.get_topology_desc(topology, "tpu").devices
+  except Exception as e:  # libtpu missing or an unknown name
+    raise ValueError(f"--aot_topology {topology!r}: cannot describe this TPU slice (needs libtpu; names "
+                     f"like v5p:2x2x2, v5e:4x4, v4:2x2x2): {type(e).__name__}: {e}") from None
+
+
+def hbm_per_chip(topology: str) -> int | None:
+  chip = topology.split(":")[0].lower()
+  return metrics_lib.HBM_BYTES.get(chip)
+
+
+def _abstract_batch(config, mesh, num_labels_slots: int = 1) -> dict:
+  shape = (config.train.batch_size, config.model.max_len)
+  example = {"input_ids": jnp.zeros(shape, jnp.int32), "segment_ids": jnp.zeros(shape, jnp.int32),
+             "positions": jnp.zeros(shape, jnp.int32),
+             "labels": jnp.zeros((shape[0], num_labels_slots), jnp.int32)}
+  shardings = loop.batch_shardings(example, mesh, config.model.max_len)
+  return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in example.items()}
+
+
+def dry_run(config: ml_collections.ConfigDict, topology: str) -> dict:
+  """Compile the train step for `topology`; log and return the per-chip report."""
+  setup_logging()
+  devices = topology_devices(topology)
+  config_lib.validate(config, num_devices=len(devices), check_data=False)
+  mesh = make_mesh(**config_lib.mesh_shape(config, len(devices)), devices=devices)
+  num_labels = config.model.num_labels or 2
+  model, _ = build_model(config, num_labels, config.model.vocab_size or 30522)
+  init = lambda: models.init_params(model, jax.random.key(config.seed), boxed=True)
+  tx = optimizer_lib.make_optimizer(config.train)
+  abstract, shardings = state_lib.state_shardings(init, tx, mesh, LOGICAL_RULES)
+  max_docs = config.data.max_docs_per_row if config.data.packing else 1
+  batch = _abstract_batch(config, mesh, max_docs)
+
+  schedule = optimizer_lib.learning_rate_schedule(config.train)
+  step = steps_lib.make_train_step(make_logits_fn(model), tx, schedule, num_labels=num_labels,
+                                   seed=config.seed, grad_accum_steps=config.train.grad_accum_steps)
+  batch_shardings = {k: v.sharding for k, v in batch.items()}
+  jitted = jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),
+                   donate_argnums=0)
+  log.info("compiling the train step for %s (%d chips, mesh %s)...", topology, len(devices), dict(mesh.shape))
+  with loop.sharding_context(mesh):
+    compiled = jitted.lower(abstract, batch).compile()
+
+  memory = compiled.memory_analysis()
+  arguments = int(memory.argument_size_in_bytes)
+  outputs = int(memory.output_size_in_bytes)
+  aliased = int(memory.alias_size_in_bytes)
+  temp = int(memory.temp_size_in_bytes)
+  code = int(getattr(memory, "generated_code_size_in_bytes", 0))
+  peak = arguments + outputs - aliased + temp + code
+  capacity = hbm_per_chip(topology)
+  flops = metrics_lib.compiled_flops(compiled)
+  params = sum(x.size for x in jax.tree.leaves(abstract.params))
+  report = {
+    "topology": topology, "chips": len(devices), "mesh": dict(mesh.shape),
+    "params": int(params), "global_batch": config.train.batch_size, "max_len": config.model.max_len,
+    "tokens_per_step": config.train.batch_size * config.model.max_len,
+    "per_chip_bytes": {"arguments": arguments, "outputs": outputs, "aliased": aliased, "temp": temp,
+                       "code": code, "peak_estimate": peak},
+    "hbm_per_chip_bytes": capacity,
+    "fits": None if capacity is None else bool(peak <= capacity),
+    "flops_per_step_per_chip": flops,
+    "flops_per_step": None if flops is None else flops * len(devices),
+  }
+  fits = "unknown (no HBM size for this chip)" if capacity is None else (
+    f"{'FITS' if report['fits'] else 'DOES NOT FIT'} in {capacity / GiB:.0f} GiB")
+  log.info("dry run %s: %s params, per chip: state+batch %.2f GiB, temporaries %.2f GiB, peak ~%.2f GiB "
+           "-> %s; %.3g FLOPs per step per chip (%.3g in all)", topology, f"{params:,}", arguments / GiB,
+           temp / GiB, peak / GiB, fits, flops or float("nan"), (flops or float("nan")) * len(devices))
+  print(json.dumps(report, indent=1))
+  return report

@@ -1,0 +1,416 @@
+"""train.py / eval.py and flash_layers.training: optimizer, metrics, config errors, checkpoints,
+resume after SIGKILL/SIGTERM, restore on fewer devices, 2 processes vs 1, the TPU pod dry run.
+
+The end-to-end tests run train.py and eval.py as subprocesses (as users do) with configs/tiny.py
+on a small synthetic JSONL dataset whose label is decided by keywords, so a model that learns
+gets well above chance.
+"""
+
+import json
+import os
+import pathlib
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+
+from flash_layers.training import checkpoint as checkpoint_lib
+from flash_layers.training import config as config_lib
+from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import optimizer as optimizer_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+TIMEOUT = 600
+
+# A run long enough (in steps) that a signal sent while it trains lands mid-way.
+KILL_RUN = ["--config.train.num_steps=240", "--config.train.batch_size=16", "--config.model.max_len=64",
+            "--config.train.log_every=2", "--config.train.eval_every=120",
+            "--config.checkpoint.every_steps=20", "--config.checkpoint.max_to_keep=3"]
+
+
+# ----------------------------------------------------------------------------
+# Helpers
+# ----------------------------------------------------------------------------
+
+TOPICS = {"sport": ["match", "goal", "team", "win", "player", "score", "league", "coach"],
+          "tech": ["computer", "software", "chip", "phone", "internet", "data", "code", "network"],
+          "food": ["bread", "cheese", "cook", "recipe", "taste", "dinner", "soup", "fruit"]}
+FILLER = ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", "with", "at", "by", "from"]
+
+
+def _write_dataset(root: pathlib.Path) -> pathlib.Path:
+  rng = random.Random(0)
+  root.mkdir(parents=True, exist_ok=True)
+  for split, n in (("train", 240), ("dev", 48), ("test", 48)):
+    with open(root / f"{split}.jsonl", "w") as f:
+      for _ in range(n):
+        label = rng.choice(sorted(TOPICS))
+        length = rng.randint(8, 40)
+        words = [rng.choice(TOPICS[label] if rng.random() < 0.3 else FILLER) for _ in range(length)]
+        f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
+  return root
+
+
+@pytest.fixture(scope="module")
+def dataset(tmp_path_factory) -> pathlib.Path:
+  return _write_dataset(tmp_path_factory.mktemp("data"))
+
+
+def _env(devices: int = 1) -> dict:
+  env = dict(os.environ)
+  env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_SKIP_MDS_QUERY="1",
+             PYTHONPATH=str(REPO), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return env
+
+
+def _command(script: str, workdir, dataset, *overrides) -> list[str]:
+  return [sys.executable, str(REPO / script), "--config", str(REPO / "configs/tiny.py"),
+          "--workdir", str(workdir), f"--config.data.dataset={dataset}", *overrides]
+
+
+def _run(script, workdir, dataset, *overrides, devices=1, check=True) -> subprocess.CompletedProcess:
+  result = subprocess.run(_command(script, workdir, dataset, *overrides), env=_env(devices), cwd=REPO,
+                          capture_output=True, text=True, timeout=TIMEOUT)
+  if check and result.returncode != 0:
+    raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stderr[-4000:]}")
+  return result
+
+
+def _losses(workdir) -> dict[int, float]:
+  return {r["step"]: r["loss"] for r in metrics_lib.read_metrics(str(workdir), "train")}
+
+
+def _start(script, workdir, dataset, *overrides, devices=1) -> subprocess.Popen:
+  return subprocess.Popen(_command(script, workdir, dataset, *overrides), env=_env(devices), cwd=REPO,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_step(process: subprocess.Popen, workdir, step: int):
+  """Poll metrics.jsonl until training has logged `step` (the run must still be going)."""
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  deadline = time.monotonic() + TIMEOUT
+  while time.monotonic() < deadline:
+    if process.poll() is not None:
+      raise AssertionError(f"the run ended before step {step}:\n{process.stderr.read()[-3000:]}")
+    if path.exists():
+      steps = [json.loads(line)["step"] for line in path.read_text().splitlines() if line.endswith("}")]
+      if steps and max(steps) >= step:
+        return
+    time.sleep(0.02)
+  raise AssertionError(f"step {step} not reached in {TIMEOUT}s")
+
+
+# ----------------------------------------------------------------------------
+# Optimizer and metrics (in process)
+# ----------------------------------------------------------------------------
+
+def test_weight_decay_mask_skips_norms_biases_and_embeddings():
+  params = {"word_embeddings": {"embedding": jnp.ones((10, 4))},
+            "layers_0": {"mlp_in": {"kernel": jnp.ones((4, 8)), "bias": jnp.ones(8)},
+                         "attention": {"query": {"kernel": jnp.ones((4, 2, 2)), "bias": jnp.ones((2, 2))}},
+                         "attention_norm": {"scale": jnp.ones(4), "bias": jnp.ones(4)}}}
+  mask = optimizer_lib.decay_mask(params)
+  assert mask["word_embeddings"]["embedding"] is False
+  assert mask["layers_0"]["mlp_in"] == {"kernel": True, "bias": False}
+  assert mask["layers_0"]["attention"]["query"] == {"kernel": True, "bias": False}
+  assert mask["layers_0"]["attention_norm"] == {"scale": False, "bias": False}
+
+  # With zero gradients, AdamW changes exactly the decayed params, by lr * wd * value.
+  train = config_lib.default_config().train
+  train.update(learning_rate=0.1, warmup_steps=0, weight_decay=0.5, schedule="constant", grad_clip_norm=0.0)
+  tx = optimizer_lib.make_optimizer(train)
+  updates, _ = tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)
+  new = optax.apply_updates(params, updates)
+  for decays, before, after in zip(jax.tree.leaves(mask), jax.tree.leaves(params), jax.tree.leaves(new),
+                                   strict=True):
+    np.testing.assert_allclose(after, before * (1 - 0.1 * 0.5) if decays else before, rtol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_schedule_warms_up_then_decays(schedule):
+  train = config_lib.default_config().train
+  train.update(learning_rate=1e-3, warmup_steps=10, num_steps=110, schedule=schedule)
+  lr = optimizer_lib.learning_rate_schedule(train)
+  assert float(lr(0)) == 0.0
+  np.testing.assert_allclose(float(lr(5)), 5e-4, rtol=1e-6)
+  np.testing.assert_allclose(float(lr(10)), 1e-3, rtol=1e-6)
+  middle = 0.5e-3 if schedule == "linear" else 0.5e-3 * (1 + np.cos(np.pi * 0.5))
+  np.testing.assert_allclose(float(lr(60)), middle, rtol=1e-5)
+  assert abs(float(lr(110))) < 1e-9
+
+
+def test_gradient_clipping_bounds_the_update():
+  train = config_lib.default_config().train
+  train.update(learning_rate=1.0, warmup_steps=0, schedule="constant", weight_decay=0.0, grad_clip_norm=1.0,
+               adam_b1=0.0, adam_b2=0.0, adam_eps=0.0)
+  params = {"kernel": jnp.zeros((3, 3))}
+  grads = {"kernel": jnp.full((3, 3), 100.0)}
+  tx = optimizer_lib.make_optimizer(train)
+  # Clipped to global norm 1; Adam with b1=b2=0 then gives sign(g) * lr.
+  clipped, _ = optax.clip_by_global_norm(1.0).update(grads, optax.EmptyState())
+  np.testing.assert_allclose(optax.global_norm(clipped), 1.0, rtol=1e-6)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  np.testing.assert_allclose(updates["kernel"], -1.0, rtol=1e-5)
+
+
+def test_metrics_match_plain_counting():
+  rng = np.random.default_rng(0)
+  labels = rng.integers(-1, 4, size=(50, 2))  # -1: padding slots, skipped
+  predictions = rng.integers(0, 4, size=(50, 2))
+  confusion = np.asarray(metrics_lib.confusion_matrix(jnp.asarray(predictions), jnp.asarray(labels),
+                                                      jnp.asarray((labels >= 0).astype(np.float32)), 4))
+  pairs = [(t, p) for t, p in zip(labels.ravel(), predictions.ravel(), strict=True) if t >= 0]
+  assert confusion.sum() == len(pairs)
+  assert metrics_lib.accuracy(confusion) == pytest.approx(sum(t == p for t, p in pairs) / len(pairs))
+  f1s = []
+  for c in range(4):
+    tp = sum(t == c and p == c for t, p in pairs)
+    fp = sum(t != c and p == c for t, p in pairs)
+    fn = sum(t == c and p != c for t, p in pairs)
+    f1s.append(2 * tp / (2 * tp + fp + fn))
+  assert metrics_lib.macro_f1(confusion) == pytest.approx(np.mean(f1s))
+
+
+# ----------------------------------------------------------------------------
+# Bad config values: a ValueError naming the field, before anything compiles
+# ----------------------------------------------------------------------------
+
+def _tiny(dataset) -> ml_collections.ConfigDict:
+  sys.path.insert(0, str(REPO))
+  try:
+    from configs import tiny
+  finally:
+    sys.path.remove(str(REPO))
+  config = tiny.get_config()
+  config.data.dataset = str(dataset)
+  return config
+
+
+@pytest.mark.parametrize("field,value,message", [
+  ("model.impl", "flashy", "config.model.impl: must be one of"),
+  ("train.learning_rate", -1e-3, "config.train.learning_rate: must be a number > 0"),
+  ("train.num_steps", 0, "config.train.num_steps"),
+  ("data.dataset", "/no/such/data.jsonl", "config.data.dataset: '/no/such/data.jsonl' does not exist"),
+  ("mesh.data", 3, "config.mesh: data*fsdp*tensor*sequence = 3 must equal the 4 devices"),
+  ("mesh.tensor", 3, "config.mesh.data: the other axes' product 3 does not divide the 4 devices"),
+  ("train.grad_accum_steps", 3, "config.train.grad_accum_steps: must divide train.batch_size=8"),
+  ("model.max_len", 512 * 16 + 1, "config.model.max_len: 8193 is above what the checkpoint's 512-row"),
+  ("checkpoint.best_metric", "auc", "config.checkpoint.best_metric"),
+])
+def test_bad_config_value_names_the_field(dataset, field, value, message):
+  config = _tiny(dataset)
+  if field == "model.max_len":
+    config.model.pretrained = "minilm"
+  section, name = field.split(".")
+  config[section][name] = value
+  with pytest.raises(ValueError) as error:
+    config_lib.validate(config, num_devices=4)
+  assert message in str(error.value)
+
+
+def test_train_py_rejects_bad_config_before_compiling(dataset, tmp_path):
+  result = _run("train.py", tmp_path, dataset, "--config.train.learning_rate=-0.1", check=False)
+  assert result.returncode != 0
+  assert "config.train.learning_rate: must be a number > 0; got -0.1" in result.stderr
+  assert not (tmp_path / "checkpoints").exists()
+
+
+# ----------------------------------------------------------------------------
+# Checkpoints (in process)
+# ----------------------------------------------------------------------------
+
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
+  state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(0)}
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  for step in (10, 20):
+    ckpt.save(step, jax.tree.map(lambda x, s=step: x + s, state), {"position": step}, '{"seed": 0}')
+  ckpt.wait()
+  ckpt.close()
+  # Damage every data file of step 20; and leave a half-written step 30 as a killed save would.
+  for path in (tmp_path / "checkpoints" / "20" / "state").rglob("*"):
+    if path.is_file() and path.stat().st_size > 0 and "metadata" not in path.name:
+      path.write_bytes(b"\0" * 7)
+  (tmp_path / "checkpoints" / "30.orbax-checkpoint-tmp-123" / "state").mkdir(parents=True)
+
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  with caplog.at_level("WARNING", logger="flash_layers.training"):
+    step, restored, data_state, config_json = ckpt.restore(abstract)
+  ckpt.close()
+  assert step == 10
+  assert data_state == {"position": 10} and json.loads(config_json) == {"seed": 0}
+  np.testing.assert_array_equal(restored["w"], state["w"] + 10)
+  assert "checkpoint step 20" in caplog.text and "cannot be restored" in caplog.text
+  assert (tmp_path / "checkpoints" / "20.corrupt-0").is_dir()
+  assert not (tmp_path / "checkpoints" / "20").exists()
+
+
+def test_best_checkpoint_keeps_the_best_dev_metric(tmp_path):
+  state = {"w": jnp.zeros(3)}
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=1, best_metric="accuracy")
+  saved = [ckpt.save_best(step, jax.tree.map(lambda x, s=step: x + s, state), None, "{}", {"accuracy": acc})
+           for step, acc in ((1, 0.5), (2, 0.7), (3, 0.6), (4, 0.7))]
+  ckpt.wait()
+  assert saved == [True, True, False, False]
+  assert ckpt.steps("best") == [2]
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  step, restored, _, _ = ckpt.restore(abstract, which="best")
+  ckpt.close()
+  assert step == 2
+  np.testing.assert_array_equal(restored["w"], 2.0)
+
+
+# ----------------------------------------------------------------------------
+# End to end (subprocesses, as users run them)
+# ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory, dataset) -> pathlib.Path:
+  """An uninterrupted run of KILL_RUN (also the end-to-end test's run), with a profile."""
+  workdir = tmp_path_factory.mktemp("reference")
+  _run("train.py", workdir, dataset, *KILL_RUN, "--config.profile_steps=2")
+  return workdir
+
+
+def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):
+  workdir = reference_run
+  losses = _losses(workdir)
+  assert sorted(losses) == list(range(1, 241))
+  assert np.mean([losses[s] for s in range(231, 241)]) < 0.5 * np.mean([losses[s] for s in range(1, 11)])
+  windows = metrics_lib.read_metrics(str(workdir), "train_window")
+  for key in ("loss", "accuracy", "macro_f1", "learning_rate", "grad_norm", "tokens_per_s", "mfu_estimate"):
+    assert all(np.isfinite(w[key]) for w in windows), key
+  dev = metrics_lib.read_metrics(str(workdir), "dev")
+  assert [r["step"] for r in dev] == [120, 240] and dev[-1]["accuracy"] > 0.8
+  assert list((workdir / "tensorboard").glob("events.out.tfevents.*"))
+  assert list((workdir / "profile").rglob("*.xplane.pb")), "profile_steps wrote no trace"
+  assert sorted(int(p.name) for p in (workdir / "checkpoints").iterdir()) == [200, 220, 240]
+  assert len(list((workdir / "best").iterdir())) == 1
+
+  docs = tmp_path / "docs.jsonl"
+  texts = ["goal match team win score", "software chip data code", "bread soup taste"]
+  docs.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+  _run("eval.py", workdir, dataset, *KILL_RUN, "--config.data.eval_split=test", "--checkpoint=best",
+       f"--predict={docs}")
+  report = json.loads((workdir / "eval_metrics.json").read_text())
+  assert report["split"] == "test" and report["num_examples"] == 48
+  confusion = np.asarray(report["confusion_matrix"])
+  assert confusion.shape == (3, 3) and confusion.sum() == 48
+  assert report["accuracy"] == pytest.approx(np.trace(confusion) / 48)
+  assert report["accuracy"] > 0.8 and 0.0 < report["macro_f1"] <= 1.0
+  predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").read_text().splitlines()]
+  assert [p["id"] for p in predictions] == [0, 1, 2]
+  assert [p["prediction"] for p in predictions] == ["sport", "tech", "food"]
+  assert all(sum(p["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for p in predictions)
+
+
+def test_sigterm_then_sigkill_then_resume_gives_identical_losses(reference_run, dataset, tmp_path):
+  # SIGTERM: the run saves at the step it is on and exits 0.
+  process = _start("train.py", tmp_path, dataset, *KILL_RUN)
+  _wait_for_step(process, tmp_path, 30)
+  process.send_signal(signal.SIGTERM)
+  _, stderr = process.communicate(timeout=TIMEOUT)
+  assert process.returncode == 0, stderr[-3000:]
+  assert "stopped by SIGTERM at step" in stderr
+  stopped = int(stderr.split("stopped by SIGTERM at step ")[1].split(";")[0])
+  assert 30 <= stopped < 240
+  assert stopped in [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+
+  # Resume, then SIGKILL mid-way (possibly during an async save).
+  process = _start("train.py", tmp_path, dataset, *KILL_RUN)
+  _wait_for_step(process, tmp_path, stopped + 70)
+  process.kill()
+  process.communicate(timeout=TIMEOUT)
+
+  # Resume to the end: every step's loss equals the uninterrupted run's, bit for bit.
+  result = _run("train.py", tmp_path, dataset, *KILL_RUN)
+  assert "resumed from checkpoint step" in result.stderr
+  assert _losses(tmp_path) == _losses(reference_run)
+
+
+@pytest.mark.slow
+def test_four_device_checkpoint_restores_on_two_devices(dataset, tmp_path):
+  mesh = ["--config.mesh.data=2", "--config.mesh.fsdp=2"]
+  _run("train.py", tmp_path, dataset, *mesh, "--config.train.num_steps=10", "--config.train.eval_every=0",
+       devices=4)
+  _run("eval.py", tmp_path, dataset, *mesh, devices=4)
+  on_four = json.loads((tmp_path / "eval_metrics.json").read_text())
+  _run("eval.py", tmp_path, dataset, "--config.mesh.data=1", "--config.mesh.fsdp=-1", devices=2)
+  on_two = json.loads((tmp_path / "eval_metrics.json").read_text())
+  assert on_two["checkpoint_step"] == on_four["checkpoint_step"] == 10
+  assert on_two["confusion_matrix"] == on_four["confusion_matrix"]
+  assert on_two["loss"] == pytest.approx(on_four["loss"], rel=1e-5)
+  # Training continues on the smaller mesh.
+  result = _run("train.py", tmp_path, dataset, "--config.mesh.data=-1", "--config.train.num_steps=14",
+                "--config.train.eval_every=0", devices=2)
+  assert "resumed from checkpoint step 10" in result.stderr
+  assert max(_losses(tmp_path)) == 14
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_reach_the_loss_of_one(dataset, tmp_path):
+  # No shuffling or dropout: each global batch then holds the same documents however the
+  # rows are split between processes, and the mean loss may differ only by summation order.
+  common = ["--config.train.num_steps=8", "--config.train.eval_every=0", "--config.data.shuffle=False",
+            "--config.model.dropout_rate=0.0", "--config.checkpoint.every_steps=4"]
+  _run("train.py", tmp_path / "one", dataset, *common, devices=4)
+  port = _free_port()
+  processes = [subprocess.Popen(
+    _command("train.py", tmp_path / "two", dataset, *common, f"--coordinator_address=127.0.0.1:{port}",
+             "--num_processes=2", f"--process_id={i}"),
+    env=_env(2), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+  try:
+    outputs = [p.communicate(timeout=TIMEOUT) for p in processes]
+  finally:
+    for p in processes:
+      if p.poll() is None:
+        p.kill()
+  for p, (_, err) in zip(processes, outputs, strict=True):
+    assert p.returncode == 0, err[-3000:]
+  one, two = _losses(tmp_path / "one"), _losses(tmp_path / "two")
+  assert sorted(two) == sorted(one) == list(range(1, 9))
+  np.testing.assert_allclose([two[s] for s in range(1, 9)], [one[s] for s in range(1, 9)], rtol=1e-5)
+  assert (tmp_path / "two" / "checkpoints" / "8").is_dir()
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path):
+  result = _run("train.py", tmp_path, dataset, "--config.train.learning_rate=1e30",
+                "--config.train.grad_clip_norm=0.0", "--config.checkpoint.every_steps=1",
+                "--config.train.warmup_steps=0", "--config.train.eval_every=0", check=False)
+  assert result.returncode != 0
+  assert "NonFiniteLossError" in result.stderr and "at step" in result.stderr
+  bad_step = int(result.stderr.split(" at step ")[1].split()[0])
+  steps = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+  assert steps and max(steps) < bad_step
+
+
+@pytest.mark.aot
+@pytest.mark.slow
+def test_pod_dry_run_compiles_for_v5p_2x2x2(tmp_path):
+  pytest.importorskip("libtpu")
+  result = subprocess.run(
+    [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tpu_pod.py"),
+     "--aot_topology=v5p:2x2x2", "--config.model.num_layers=1", "--config.model.max_len=1024",
+     "--config.train.batch_size=8"],
+    env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+  assert result.returncode == 0, result.stderr[-4000:]
+  report = json.loads(result.stdout[result.stdout.index("{"):])
+  assert report["chips"] == 8 and report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 4}
+  assert report["fits"] is True and report["hbm_per_chip_bytes"] == 95 * 2**30
+  assert report["per_chip_bytes"]["peak_estimate"] > report["per_chip_bytes"]["arguments"] > 0
+  assert report["flops_per_step_per_chip"] > 0
