@@ -42,6 +42,7 @@ from jax.experimental.pallas import tpu as pltpu
 from flash_layers import masks
 from flash_layers import platform as platform_lib
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.flash_pallas.gpu import GpuBlockSizes
 
 LANES = 128    # vreg minor dimension; the MXU is 128 (v4, v5e, v5p) or 256 (v6e) wide
 SUBLANES = 8   # vreg second-minor dimension (32-bit)
@@ -133,10 +134,13 @@ def _round_up(x: int, multiple: int) -> int:
 def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
   """Effective ((block_q, block_kv), (block_q_bwd, block_kv_bwd)) for this request."""
   sizes = request.block_sizes
-  if sizes is None:
+  # platform_dependent traces every kernel family with the same request: sizes meant for the
+  # GPU family (flash_layers.GpuBlockSizes) leave the TPU family on its defaults.
+  if sizes is None or isinstance(sizes, GpuBlockSizes):
     sizes = BlockSizes.for_generation(tpu_generation())
   elif not isinstance(sizes, BlockSizes):
-    raise TypeError(f"block_sizes must be flash_layers.BlockSizes or None; got {sizes!r}")
+    raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), flash_layers.GpuBlockSizes "
+                    f"(GPU) or None; got {sizes!r}")
   q_cap, kv_cap = _round_up(request.q_len, LANES), _round_up(request.kv_len, LANES)
   fwd = (min(sizes.block_q, q_cap), min(sizes.block_kv, kv_cap))
   bwd = (min(sizes.backward[0], q_cap), min(sizes.backward[1], kv_cap))
