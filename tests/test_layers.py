@@ -1,0 +1,373 @@
+"""The layers: Flax and Haiku MultiHeadAttention and the attention_fn adapter.
+
+Independent references: flax's own MultiHeadDotProductAttention / nnx
+MultiHeadAttention with their default dot-product attention (masks built with
+flax's helpers), loaded with the same weights. Every impl in fl.IMPLS runs; a
+placeholder impl that is "not built yet" is skipped, nothing else is.
+"""
+
+import functools
+
+import flax.linen as nn
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import flash_layers as fl
+from flash_layers import haiku as flh
+
+IMPLS = fl.IMPLS
+BATCH, Q_LEN, KV_LEN, EMBED, KV_EMBED, HEADS = 2, 12, 9, 32, 24, 4
+TOL = dict(rtol=2e-5, atol=2e-5)
+
+
+def served(fn, *args, **kwargs):
+  """fn(...), skipping only when a placeholder impl says it is not built yet."""
+  try:
+    return fn(*args, **kwargs)
+  except fl.UnsupportedError as err:
+    if "not built yet" in str(err):
+      pytest.skip(str(err))
+    raise
+
+
+def inputs(length=Q_LEN, features=EMBED, seed=0):
+  return jax.random.normal(jax.random.key(seed), (BATCH, length, features), jnp.float32)
+
+
+def segments(length, seed):
+  """Packed documents 1, 2, ... with trailing padding 0, different per row."""
+  rng = np.random.default_rng(seed)
+  rows = []
+  for _ in range(BATCH):
+    cuts = np.sort(rng.choice(np.arange(1, length), size=2, replace=False))
+    ids = np.searchsorted(cuts, np.arange(length), side="right") + 1
+    ids[length - rng.integers(0, 3):] = 0
+    rows.append(ids)
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
+# Layers run op by op: XLA caches each small op across tests, which on the CPU
+# costs less than compiling one program per call. Only gradients are jitted.
+
+def apply(module, params, *args, **kwargs):
+  return module.apply(params, *args, **kwargs)
+
+
+def nnx_call(model, x, **kwargs):
+  return model(x, **kwargs)
+
+
+def init_params(layer, *args, **kwargs):
+  """Params with random biases too, so that a misplaced bias cannot hide."""
+  layer = layer.clone(impl="reference", bias_init=nn.initializers.normal(0.5))
+  return nn.meta.unbox(layer.init(jax.random.key(1), *args, **kwargs))
+
+
+def flax_mha(**kwargs):
+  return nn.MultiHeadDotProductAttention(num_heads=HEADS, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# One layer, every impl
+# ----------------------------------------------------------------------------
+
+CASES = {
+    "gqa_causal_segments": dict(layer=dict(num_kv_heads=2, causal=True), cross=False, seg=True),
+    "mqa_window_head_dim": dict(layer=dict(num_kv_heads=1, head_dim=16, window=(3, 1), out_features=20),
+                                cross=False, seg=False),
+    "cross_segments_scale": dict(layer=dict(num_kv_heads=2, scale=0.3), cross=True, seg=True),
+}
+
+
+@functools.cache
+def case_setup(case):
+  """(layer, params, args, kwargs, loss_and_grad, reference value and grads) for one case."""
+  spec = CASES[case]
+  x = inputs()
+  args = (x, inputs(KV_LEN, KV_EMBED, seed=2)) if spec["cross"] else (x,)
+  kwargs = {}
+  if spec["seg"]:
+    kwargs["segment_ids"] = segments(Q_LEN, 3)
+    if spec["cross"]:
+      kwargs["kv_segment_ids"] = segments(KV_LEN, 4)
+  layer = fl.MultiHeadAttention(num_heads=HEADS, **spec["layer"])
+  params = init_params(layer, *args, **kwargs)
+
+  def loss(params, impl):
+    return jnp.sum(jnp.sin(layer.clone(impl=impl).apply(params, *args, **kwargs)))
+
+  value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
+  return layer, params, args, kwargs, value_and_grad, value_and_grad(params, "reference")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("case", CASES)
+def test_same_params_same_output_under_every_impl(case, impl):
+  """Forward and parameter gradients of one layer agree across impls (vs the reference impl)."""
+  layer, params, args, kwargs, value_and_grad, (want, want_grad) = case_setup(case)
+  got, got_grad = served(value_and_grad, params, impl)
+  np.testing.assert_allclose(got, want, **TOL)
+  jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, **TOL), got_grad, want_grad)
+  out = jax.eval_shape(layer.clone(impl=impl).apply, params, *args, **kwargs)
+  assert out.shape == (BATCH, Q_LEN, CASES[case]["layer"].get("out_features", EMBED))
+
+
+def test_unsupported_features_raise_for_xla_native():
+  x = inputs()
+  layer = fl.MultiHeadAttention(num_heads=HEADS, softcap=20.0, impl="xla_native")
+  params = jax.eval_shape(layer.clone(impl="reference").init, jax.random.key(0), x)
+  with pytest.raises(fl.UnsupportedError, match="softcap"):
+    jax.eval_shape(layer.apply, params, x)
+  # head_dim_v != head_dim: other impls serve it, xla_native refuses it by name.
+  layer = fl.MultiHeadAttention(num_heads=HEADS, head_dim_v=4, impl="xla_native")
+  params = nn.meta.unbox(jax.eval_shape(layer.clone(impl="reference").init, jax.random.key(0), x))
+  assert params["params"]["value"]["kernel"].shape == (EMBED, HEADS, 4)
+  assert params["params"]["out"]["kernel"].shape == (HEADS, 4, EMBED)
+  with pytest.raises(fl.UnsupportedError, match="head_dim_v"):
+    jax.eval_shape(layer.apply, params, x)
+
+
+# ----------------------------------------------------------------------------
+# Against flax's own attention modules
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", (*IMPLS, "auto"))
+def test_layer_matches_flax_mha(impl):
+  """Same weights, flax's own dot-product attention: also checks the 1/sqrt(head_dim) default scale."""
+  x, y = inputs(), inputs(KV_LEN, seed=2)  # same features: the params serve self- and cross-attention
+  q_seg, kv_seg = segments(Q_LEN, 5), segments(KV_LEN, 6)
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS), x, y)
+  ours = fl.MultiHeadAttention(num_heads=HEADS, impl=impl)
+  # Flax's param tree is ours: init it from the same key and compare the structure.
+  theirs = jax.eval_shape(flax_mha().init, jax.random.key(1), x, y)
+  assert jax.tree.map(jnp.shape, theirs) == jax.tree.map(jnp.shape, params)
+
+  got = served(apply, ours, params, x, y)
+  np.testing.assert_allclose(got, apply(flax_mha(), params, x, y), **TOL)
+  causal_mask = nn.make_causal_mask(jnp.ones((BATCH, Q_LEN)))
+  got_causal = apply(ours.clone(causal=True), params, x)
+  np.testing.assert_allclose(got_causal, apply(flax_mha(), params, x, mask=causal_mask), **TOL)
+  assert not np.allclose(got_causal, apply(flax_mha(), params, x), atol=1e-3)  # the mask matters
+  # Segment ids, cross-attention: flax's mask from equal ids.
+  seg_mask = nn.make_attention_mask(q_seg, kv_seg, jnp.equal)
+  got_seg = apply(ours, params, x, y, segment_ids=q_seg, kv_segment_ids=kv_seg)
+  np.testing.assert_allclose(got_seg, apply(flax_mha(), params, x, y, mask=seg_mask), **TOL)
+
+
+def _mask_impl_expectation(impl):
+  """flash_pallas never takes a dense mask; it must say so by name."""
+  if impl == "flash_pallas":
+    return pytest.raises(fl.UnsupportedError, match="dense mask")
+  return None
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_fn_in_linen_mha(impl):
+  x, y = inputs(), inputs(KV_LEN, seed=2)
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS), x, y)
+  adapted = flax_mha(attention_fn=fl.attention_fn(impl=impl))
+  ours = fl.MultiHeadAttention(num_heads=HEADS, impl="reference")
+  # No mask: every impl serves it.
+  np.testing.assert_allclose(served(apply, adapted, params, x, y), apply(ours, params, x, y), **TOL)
+  # A dense causal mask through the adapter == our layer with causal=True.
+  mask = nn.make_causal_mask(jnp.ones((BATCH, Q_LEN)))
+  expectation = _mask_impl_expectation(impl)
+  if expectation is not None:
+    with expectation:
+      apply(adapted, params, x, mask=mask)
+    return
+  got = served(apply, adapted, params, x, mask=mask)
+  np.testing.assert_allclose(got, apply(ours.clone(causal=True), params, x), **TOL)
+  # Fixed options apply to every call: a custom scale and causal, with no mask.
+  fixed = flax_mha(attention_fn=fl.attention_fn(impl=impl, scale=0.3, causal=True))
+  np.testing.assert_allclose(apply(fixed, params, x),
+                             apply(ours.clone(causal=True, scale=0.3), params, x), **TOL)
+
+
+def test_attention_fn_extra_batch_dims():
+  """flax modules accept [batch..., length, features]; the adapter flattens and restores them."""
+  x = jax.random.normal(jax.random.key(0), (2, 3, Q_LEN, EMBED))
+  module = flax_mha()
+  adapted = flax_mha(attention_fn=fl.attention_fn(impl="reference"))
+  mask = nn.make_causal_mask(jnp.ones((2, 3, Q_LEN)))
+
+  @jax.jit
+  def both(key):
+    params = module.init(key, x)
+    return adapted.apply(params, x, mask=mask), module.apply(params, x, mask=mask)
+
+  got, want = both(jax.random.key(1))
+  np.testing.assert_allclose(got, want, **TOL)
+
+
+def _nnx_with_weights(params, **kwargs):
+  model = nnx.MultiHeadAttention(num_heads=HEADS, in_features=EMBED, decode=False,
+                                 rngs=nnx.Rngs(0), **kwargs)
+  for name in ("query", "key", "value", "out"):
+    getattr(model, name).kernel.value = params["params"][name]["kernel"]
+    getattr(model, name).bias.value = params["params"][name]["bias"]
+  return model
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_attention_fn_in_nnx_mha(impl):
+  """nnx passes its kwargs unfiltered (is_causal, ...); GQA heads as nnx lays them out."""
+  x = inputs()
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2), x)
+  ours = fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2, impl="reference")
+  own = _nnx_with_weights(params, num_kv_heads=2)  # nnx's own attention: the independent check
+  adapted = _nnx_with_weights(params, num_kv_heads=2, attention_fn=fl.attention_fn(impl=impl))
+  np.testing.assert_allclose(apply(ours, params, x), nnx_call(own, x), **TOL)
+  np.testing.assert_allclose(served(nnx_call, adapted, x), nnx_call(own, x), **TOL)
+  np.testing.assert_allclose(nnx_call(adapted, x, is_causal=True), apply(ours.clone(causal=True), params, x),
+                             **TOL)
+  mask = nn.make_causal_mask(jnp.ones((BATCH, Q_LEN)))
+  expectation = _mask_impl_expectation(impl)
+  if expectation is not None:
+    with expectation:
+      nnx_call(adapted, x, mask=mask)
+    return
+  np.testing.assert_allclose(nnx_call(adapted, x, mask=mask), nnx_call(own, x, mask=mask), **TOL)
+
+
+def test_attention_fn_refuses_what_it_cannot_do():
+  q = k = v = jnp.ones((1, 4, 2, 8))
+  fn = fl.attention_fn(impl="reference")
+  with pytest.raises(fl.UnsupportedError, match="bias"):
+    fn(q, k, v, bias=jnp.zeros((1, 2, 4, 4)))
+  with pytest.raises(fl.UnsupportedError, match="dropout"):
+    fn(q, k, v, dropout_rate=0.1, deterministic=False)
+  np.testing.assert_allclose(fn(q, k, v, dropout_rate=0.1, deterministic=True), v)
+  with pytest.raises(fl.UnsupportedError, match="sow_weights"):
+    fn(q, k, v, module=object())
+  with pytest.raises(TypeError, match="surprise"):
+    fn(q, k, v, surprise=1)
+  fn(q, k, v, promote_dtype=None, force_fp32_for_softmax=True, is_causal=False)  # harmless
+  with pytest.raises(ValueError, match="impl must be one of"):
+    fl.attention_fn(impl="fastest")
+  with pytest.raises(TypeError, match="segment_ids"):
+    fl.attention_fn(segment_ids=jnp.ones((1, 4), jnp.int32))
+  with pytest.raises(ValueError, match="mask"):
+    fn(q, k, v, mask=jnp.ones((3, 4, 4), bool))
+  # flash_pallas skips blocks by the mask spec; it refuses a dense mask by name.
+  with pytest.raises(fl.UnsupportedError, match="dense mask"):
+    fl.attention_fn(impl="flash_pallas")(q, k, v, mask=jnp.ones((4, 4), bool))
+
+
+# ----------------------------------------------------------------------------
+# Haiku
+# ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_flax_and_haiku_layers_agree(impl):
+  x, y = inputs(), inputs(KV_LEN, KV_EMBED, seed=2)
+  q_seg, kv_seg = segments(Q_LEN, 7), segments(KV_LEN, 8)
+  fields = dict(num_kv_heads=2, causal=True, window=(4, 2), out_features=16)
+  flax_layer = fl.MultiHeadAttention(num_heads=HEADS, impl=impl, **fields)
+  params = init_params(flax_layer, x, y, segment_ids=q_seg, kv_segment_ids=kv_seg)
+  haiku_fn = hk.without_apply_rng(hk.transform(
+      lambda x, y: flh.MultiHeadAttention(HEADS, impl=impl, **fields)(
+          x, y, segment_ids=q_seg, kv_segment_ids=kv_seg)))
+  haiku_params = flh.params_from_flax(params)
+  # Haiku's own init makes the same tree.
+  assert jax.tree.map(jnp.shape, jax.eval_shape(haiku_fn.init, jax.random.key(0), x, y)) == jax.tree.map(
+      jnp.shape, haiku_params)
+  want = apply(flax_layer, params, x, y, segment_ids=q_seg, kv_segment_ids=kv_seg)
+  np.testing.assert_allclose(served(haiku_fn.apply, haiku_params, x, y), want, **TOL)
+
+
+def test_haiku_init_scale_matches_flax():
+  """Kernels are drawn with fan-in = the input features (not embed * heads), as flax's DenseGeneral does."""
+  x = inputs(features=64)
+  fn = hk.transform(lambda x: flh.MultiHeadAttention(HEADS, num_kv_heads=1, head_dim=32)(x))
+  params = jax.jit(fn.init)(jax.random.key(0), x)
+  fan_in = dict(query=64, key=64, value=64, out=HEADS * 32)
+  for name, fans in fan_in.items():
+    std = float(params[f"multi_head_attention/{name}"]["kernel"].std())
+    assert std == pytest.approx(fans ** -0.5, rel=0.15), name  # LeCun normal, as in flax
+
+
+# ----------------------------------------------------------------------------
+# Metadata and bad fields
+# ----------------------------------------------------------------------------
+
+def test_logical_axis_names():
+  x, y = inputs(), inputs(KV_LEN, KV_EMBED)
+  variables = jax.eval_shape(fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2).init, jax.random.key(0),
+                             x, y)
+  specs = nn.get_partition_spec(variables)["params"]
+  P = jax.sharding.PartitionSpec
+  assert specs["query"] == {"kernel": P("embed", "heads", "head_dim"), "bias": P("heads", "head_dim")}
+  for name in ("key", "value"):
+    assert specs[name] == {"kernel": P("embed", "kv_heads", "head_dim"),
+                           "bias": P("kv_heads", "head_dim")}
+  assert specs["out"] == {"kernel": P("heads", "head_dim", "embed"), "bias": P("embed")}
+  shapes = jax.tree.map(jnp.shape, nn.meta.unbox(variables))["params"]
+  assert shapes["key"]["kernel"] == (KV_EMBED, 2, EMBED // HEADS)
+
+
+def _haiku_call(x, **fields):
+  init = hk.transform(lambda x: flh.MultiHeadAttention(**fields)(x)).init
+  return jax.eval_shape(init, jax.random.key(0), x)
+
+
+@pytest.mark.parametrize("make", ["flax", "haiku"])
+def test_bad_fields_raise_clear_errors(make):
+  x = inputs()
+
+  def build(**fields):
+    if make == "flax":
+      layer = fl.MultiHeadAttention(**fields)
+      return jax.eval_shape(layer.init, jax.random.key(0), x)
+    return _haiku_call(x, **fields)
+
+  with pytest.raises(ValueError, match=r"impl must be one of .*'reference'.*got 'fast'"):
+    build(num_heads=HEADS, impl="fast")
+  with pytest.raises(ValueError, match=r"num_heads \(4\) must be a multiple of num_kv_heads \(3\)"):
+    build(num_heads=HEADS, num_kv_heads=3)
+  with pytest.raises(ValueError, match="num_heads must be a positive int"):
+    build(num_heads=0)
+  with pytest.raises(ValueError, match="head_dim must be a positive int"):
+    build(num_heads=HEADS, head_dim=-2)
+  with pytest.raises(ValueError, match=r"features of inputs_q \(32\) must be a multiple of num_heads \(5\)"):
+    build(num_heads=5)
+  with pytest.raises(ValueError, match="dropout_rate"):
+    build(num_heads=HEADS, dropout_rate=1.5)
+  with pytest.raises(TypeError, match="causal"):
+    build(num_heads=HEADS, causal="yes")
+  with pytest.raises(ValueError, match="window"):
+    build(num_heads=HEADS, window=(-1, 2))
+  build(num_heads=5, head_dim=8)  # an explicit head_dim need not divide the features
+
+
+def test_bad_fields_fail_at_construction():
+  """Field errors surface when the layer is built, before any input is seen."""
+  with pytest.raises(ValueError, match="impl must be one of"):
+    fl.MultiHeadAttention(num_heads=HEADS, impl="fast")
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=3)
+
+
+def test_dropout_is_refused_only_when_it_would_apply():
+  x = inputs()
+  layer = fl.MultiHeadAttention(num_heads=HEADS, dropout_rate=0.1, impl="reference")
+  params = jax.jit(layer.init)(jax.random.key(0), x)
+  np.testing.assert_allclose(apply(layer, params, x), apply(layer.clone(dropout_rate=0.0), params, x))
+  with pytest.raises(fl.UnsupportedError, match="dropout_rate=0.1 with deterministic=False"):
+    layer.apply(params, x, deterministic=False)
+
+
+def test_bad_inputs_raise_clear_errors():
+  layer = fl.MultiHeadAttention(num_heads=HEADS, impl="reference")
+  params = jax.eval_shape(layer.init, jax.random.key(0), inputs())
+  check = lambda *args, **kwargs: jax.eval_shape(layer.apply, params, *args, **kwargs)
+  with pytest.raises(ValueError, match=r"inputs_q must have shape \[batch, length, features\]"):
+    check(jnp.ones((Q_LEN, EMBED)))
+  with pytest.raises(ValueError, match="batch sizes differ"):
+    check(inputs(), jnp.ones((BATCH + 1, KV_LEN, EMBED)))
+  with pytest.raises(ValueError, match="kv_segment_ids"):
+    check(inputs(), inputs(KV_LEN), segment_ids=segments(Q_LEN, 0))
