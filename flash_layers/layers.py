@@ -136,7 +136,8 @@ class MultiHeadAttention(nn.Module):
       cannot serve a call raises `fl.UnsupportedError`.
     causal, window, softcap, scale, block_sizes: as in `fl.attention`.
     dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
-    use_bias, kernel_init, bias_init, precision: as in `nn.DenseGeneral`.
+    use_bias, kernel_init, bias_init, precision: of the projections, as in `nn.DenseGeneral`
+      (the attention itself runs at the impl's own precision).
     dropout_rate: must be 0 to train: dropout on attention probabilities is not
       supported (a call with dropout_rate > 0 and deterministic=False raises
       UnsupportedError). Kept so that flax configs port; deterministic calls are exact.

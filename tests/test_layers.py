@@ -131,6 +131,17 @@ def test_unsupported_features_raise_for_xla_native():
     jax.eval_shape(layer.apply, params, x)
 
 
+@pytest.mark.parametrize("impl", ["reference", "xla_native"])
+def test_bfloat16_compute(impl):
+  """dtype=bfloat16 computes and returns bfloat16, close to the float32 layer with the same params."""
+  x = inputs()
+  layer = fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2, causal=True, impl=impl)
+  params = init_params(layer, x)
+  out = apply(layer.clone(dtype=jnp.bfloat16), params, x)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(out.astype(jnp.float32), apply(layer, params, x), atol=0.1, rtol=0.05)
+
+
 # ----------------------------------------------------------------------------
 # Against flax's own attention modules
 # ----------------------------------------------------------------------------
