@@ -1,7 +1,6 @@
 """Checks of sharded attention that need several devices, run in a subprocess by test_parallel.py.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_worker.py meshes IMPL,...
-    ... parallel_worker.py hlo
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/parallel_worker.py meshes+hlo IMPL,...
     ... parallel_worker.py process ID NUM_PROCESSES PORT     (one process of a multi-process job)
 
 Each check prints one JSON object per line, prefixed by RESULT, so the test can
@@ -30,21 +29,24 @@ def emit(**fields):
   print("RESULT " + json.dumps(fields), flush=True)
 
 
-def problem(case: str, batch=8, length=64, heads=4, head_dim=16, seed=0):
+def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
   """q, k, v and attention kwargs of a named case.
 
   causal_packed_gqa: causal, packed documents then padding (id 0), 2 kv heads; the keys
     lack document 2, so its queries see nothing (rows 0, gradients 0).
   window_mqa: a (5, 2) window, one kv head, no causal mask (the contiguous ring layout).
+  uneven_gqa: 6 heads on 3 kv heads, so 2 tensor shards' heads straddle kv groups.
   """
   rng = np.random.default_rng(seed)
-  kv_heads = {"causal_packed_gqa": 2, "window_mqa": 1}[case]
+  heads, kv_heads = {"causal_packed_gqa": (4, 2), "window_mqa": (4, 1), "uneven_gqa": (6, 3)}[case]
   q = rng.standard_normal((batch, length, heads, head_dim))
   k = rng.standard_normal((batch, length, kv_heads, head_dim))
   v = rng.standard_normal((batch, length, kv_heads, head_dim))
   q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
   if case == "window_mqa":
     return q, k, v, {"window": (5, 2)}
+  if case == "uneven_gqa":
+    return q, k, v, {"causal": True}
   seg = np.zeros((batch, length), np.int32)
   for row in range(batch):
     bounds = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
@@ -79,7 +81,8 @@ def relative_errors(actual, expected) -> dict[str, float]:
   return errors
 
 
-CASES = {"causal_packed_gqa": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4))}
+CASES = {"causal_packed_gqa": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
+         "uneven_gqa": ((4, 1, 2, 1),)}
 
 
 def check_meshes(impls):
@@ -127,7 +130,7 @@ def check_process(process_id: int, num_processes: int, port: int):
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=num_processes,
                              process_id=process_id)
   n = len(jax.devices())
-  for case in CASES:
+  for case in ("causal_packed_gqa", "window_mqa"):
     q, k, v, kwargs = problem(case, batch=4, length=32)
     expected = value_and_grads("reference", None, kwargs)(q, k, v, arrays_of(kwargs))  # local device
     for shape in ((1, 1, 1, n), (2, 1, n // 2, 1), (1, 1, 2, n // 2)):
@@ -145,11 +148,13 @@ def check_process(process_id: int, num_processes: int, port: int):
 
 if __name__ == "__main__":
   what = sys.argv[1]
-  if what == "meshes":
-    check_meshes(sys.argv[2].split(","))
-  elif what == "hlo":
-    check_hlo()
-  elif what == "process":
+  if what == "process":
     check_process(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))
   else:
-    raise SystemExit(f"unknown check {what!r}; one of meshes, hlo, process")
+    for check in what.split("+"):
+      if check == "hlo":
+        check_hlo()
+      elif check == "meshes":
+        check_meshes(sys.argv[2].split(","))
+      else:
+        raise SystemExit(f"unknown check {check!r}; meshes, hlo (joined by +) or process")
