@@ -109,7 +109,7 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids):
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                        window=layer.window, scale=layer.scale, softcap=layer.softcap,
-                       block_sizes=layer.block_sizes)
+                       block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None))
 
 
 # ----------------------------------------------------------------------------
@@ -135,6 +135,8 @@ class MultiHeadAttention(nn.Module):
     impl: one of `fl.IMPLS` or "auto" (see `fl.explain`); an explicit impl that
       cannot serve a call raises `fl.UnsupportedError`.
     causal, window, softcap, scale, block_sizes: as in `fl.attention`.
+    mesh: as in `fl.attention`: a mesh (`fl.parallel.make_mesh`) to shard the
+      attention over; None shards over the current mesh (`jax.set_mesh`), if any.
     dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
     use_bias, kernel_init, bias_init, precision: of the projections, as in `nn.DenseGeneral`
       (the attention itself runs at the impl's own precision).
@@ -154,6 +156,7 @@ class MultiHeadAttention(nn.Module):
   softcap: float | None = None
   scale: float | None = None
   block_sizes: Any = None
+  mesh: Any = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
   use_bias: bool = True
