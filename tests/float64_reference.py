@@ -1,0 +1,97 @@
+"""Attention in float64 NumPy, forward and backward, written from the contract alone.
+
+It imports nothing from flash_layers, so a mistake shared by the impls (in the
+mask, the softcap, GQA head mapping or the gradient) cannot hide here too. The
+backward pass is derived by hand, not by autodiff:
+
+  s = scale * q.k (then c * tanh(s / c) with a softcap), p = softmax over visible keys,
+  out = p v,  lse = log sum_j exp(s_j)
+  dv = p^T dout,  dp = dout v^T,  ds = p * (dp - rowsum(dout * out) + dlse)
+  (softcap: ds *= 1 - tanh^2),  dq = scale * ds k,  dk = scale * ds^T q
+
+Beside each result it returns a *magnitude*: the same sums taken over absolute
+values (e.g. ``p |v|`` for out). Rounding errors scale with it, not with the
+result, which may cancel to ~0 (a row that sees one key has dq = 0 exactly), so
+tests measure errors relative to it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def mask(batch, q_len, kv_len, *, causal=False, window=None, segment_ids=None,
+         kv_segment_ids=None, q_offset=0, kv_offset=0):
+  """bool [batch, q_len, kv_len]: may query i attend key j?"""
+  i = q_offset + np.arange(q_len)[:, None]
+  j = kv_offset + np.arange(kv_len)[None, :]
+  ok = np.ones((batch, q_len, kv_len), dtype=bool)
+  if causal:
+    ok &= j <= i
+  if window is not None:
+    left, right = (window, window) if isinstance(window, int) else window
+    ok &= (j >= i - left) & (j <= i + right)
+  if segment_ids is not None:
+    q_seg = np.asarray(segment_ids)
+    kv_seg = q_seg if kv_segment_ids is None else np.asarray(kv_segment_ids)
+    ok &= q_seg[:, :, None] == kv_seg[:, None, :]
+  return ok
+
+
+def attention(q, k, v, visible, *, scale=None, softcap=None, dout=None, dlse=None):
+  """q [b, t, h, d], k [b, s, kvh, d], v [b, s, kvh, dv]; visible broadcastable to [b, h, t, s].
+
+  Returns a dict with out [b, t, h, dv], lse [b, h, t] and, when dout is given,
+  dq, dk, dv (all float64). Rows that see no key: out 0, lse -inf, gradients 0.
+  """
+  q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  group = h // kvh
+  scale = d ** -0.5 if scale is None else scale
+  # Query head n reads kv head n // group: repeat each kv head `group` times.
+  k_rep = np.repeat(k, group, axis=2)
+  v_rep = np.repeat(v, group, axis=2)
+  x = scale * np.einsum("bthd,bshd->bhts", q, k_rep)
+  tanh = None
+  if softcap is not None:
+    tanh = np.tanh(x / softcap)
+    logits = softcap * tanh
+  else:
+    logits = x
+  vis = np.broadcast_to(visible, logits.shape)
+  row_max = np.where(vis, logits, -np.inf).max(-1, keepdims=True)
+  row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+  e = np.where(vis, np.exp(np.where(vis, logits, 0.0) - row_max), 0.0)
+  z = e.sum(-1, keepdims=True)
+  has_key = z > 0
+  p = e / np.where(has_key, z, 1.0)
+  out = np.einsum("bhts,bshv->bthv", p, v_rep)
+  lse = np.where(has_key, row_max + np.log(np.where(has_key, z, 1.0)), -np.inf)[..., 0]
+  result = {"out": out, "lse": lse, "visible_rows": has_key[..., 0],
+            "magnitude": {"out": np.einsum("bhts,bshv->bthv", p, np.abs(v_rep)).max(initial=0.0)}}
+  if dout is None:
+    return result
+
+  do = np.asarray(dout, dtype=np.float64)
+  dp = np.einsum("bthv,bshv->bhts", do, v_rep)
+  dv_rep = np.einsum("bhts,bthv->bshv", p, do)
+  row_dot = np.einsum("bthv,bthv->bht", do, out)[..., None]
+  if dlse is not None:
+    row_dot = row_dot - np.asarray(dlse, dtype=np.float64)[..., None]
+  ds = p * (dp - row_dot)
+  if tanh is not None:
+    ds = ds * (1.0 - tanh * tanh)
+  dx = scale * ds
+  dq = np.einsum("bhts,bshd->bthd", dx, k_rep)
+  dk_rep = np.einsum("bhts,bthd->bshd", dx, q)
+  s = k.shape[1]
+  dx_mag = scale * p * (np.abs(dp) + np.abs(row_dot))
+  result["magnitude"].update(
+      dq=np.einsum("bhts,bshd->bthd", dx_mag, np.abs(k_rep)).max(initial=0.0),
+      dk=np.einsum("bhts,bthd->bshd", dx_mag, np.abs(q)).max(initial=0.0),
+      dv=np.einsum("bhts,bthv->bshv", p, np.abs(do)).max(initial=0.0))
+  result["dq"] = dq
+  result["dk"] = dk_rep.reshape(b, s, kvh, group, d).sum(3)
+  result["dv"] = dv_rep.reshape(b, s, kvh, group, v.shape[3]).sum(3)
+  return result

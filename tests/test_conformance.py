@@ -1,0 +1,342 @@
+"""The conformance suite: every impl, forward and gradients, against float64 NumPy.
+
+Adding an impl or an interpret platform is one line in CASES. An impl that
+refuses a feature by design lists it in REFUSED; the suite then asserts that
+the request raises UnsupportedError naming the feature (never a silent skip).
+
+Each named configuration in CONFIGS exercises a few features at the smallest
+size that needs them; together they cover lengths 1/7/128/200/333/1024, q_len !=
+kv_len, batch 1 and 3, every (heads, kv heads) pair with heads in 1/2/4/8,
+head_dim 32/64/80/128/256 and head_dim_v != head_dim, causal, packed segment ids
+with padding, windows, softcap, rows that see no key, and a custom scale. Every
+configuration runs for every case in float32 and bfloat16.
+
+Tolerances. float32: the worst error, relative to the float64 magnitude of the
+terms summed (float64_reference), is at most F32_TOL. bfloat16: the impl's error against float64
+is at most twice the error of the `reference` impl run in bfloat16 on the same
+inputs, plus BF16_FLOOR (both measured the same way).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import zlib
+
+import float64_reference
+import hypothesis
+import hypothesis.strategies as st
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flash_layers as fl
+
+# (impl, interpret platform or None). One line per impl or interpret platform.
+CASES = [
+    ("reference", None),
+    ("xla_native", None),
+    ("xla_chunked", None),
+    ("flash_pallas", "tpu"),
+    ("flash_pallas", "gpu"),
+]
+
+# Features a case refuses by design (README feature table) -> the suite expects UnsupportedError.
+REFUSED = {
+    ("xla_native", None): ("softcap", "head_dim_v"),
+}
+
+F32_TOL = 1e-5
+BF16_FLOOR = 2e-3
+GRADS = ("dq", "dk", "dv")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """One attention problem. ``segments``: None, "packed" (random packed documents, then
+  padding with id 0) or "orphans" (packed, plus a document in the queries that no key
+  belongs to, so its rows see nothing). ``input_scale`` multiplies q and k (large logits
+  make the softcap bite)."""
+
+  name: str
+  q_len: int = 16
+  kv_len: int | None = None  # None: q_len
+  batch: int = 1
+  heads: int = 2
+  kv_heads: int | None = None  # None: heads
+  head_dim: int = 32
+  head_dim_v: int | None = None  # None: head_dim
+  causal: bool = False
+  window: int | tuple[int, int] | None = None
+  segments: str | None = None
+  softcap: float | None = None
+  scale: float | None = None
+  input_scale: float = 1.0
+
+  @property
+  def s(self) -> int:
+    return self.q_len if self.kv_len is None else self.kv_len
+
+  @property
+  def kvh(self) -> int:
+    return self.heads if self.kv_heads is None else self.kv_heads
+
+  @property
+  def dv(self) -> int:
+    return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+  def features(self) -> set[str]:
+    used = set()
+    if self.softcap is not None:
+      used.add("softcap")
+    if self.dv != self.head_dim:
+      used.add("head_dim_v")
+    return used
+
+
+CONFIGS = [
+    # Lengths (none a multiple of a block size but 128 and 1024), batch, q_len != kv_len.
+    Config("len1", q_len=1, heads=1),
+    Config("len1_causal_packed", q_len=1, causal=True, segments="packed"),
+    Config("len7_mqa", q_len=7, heads=2, kv_heads=1),
+    Config("len128_causal_d64", q_len=128, causal=True, head_dim=64),
+    Config("len200_batch3_packed", q_len=200, batch=3, heads=4, kv_heads=1, segments="packed"),
+    Config("len333_causal_h8_kv2", q_len=333, heads=8, kv_heads=2, causal=True),
+    Config("len1024_causal_packed", q_len=1024, heads=1, head_dim=64, causal=True, segments="packed"),
+    Config("cross_7_to_128", q_len=7, kv_len=128, heads=4, kv_heads=2),
+    Config("cross_200_to_7", q_len=200, kv_len=7),
+    Config("cross_causal_128_to_333", q_len=128, kv_len=333, causal=True),
+    Config("cross_packed_batch3", q_len=128, kv_len=200, batch=3, segments="packed"),
+    # Heads: every dividing kv-head count for 1/2/4/8 heads (1/1, 2/1 and 8/2 are above).
+    Config("h2_kv2_batch3", q_len=33, batch=3, heads=2, kv_heads=2),
+    Config("h4_kv4", q_len=40, heads=4, kv_heads=4),
+    Config("h4_kv1_causal", q_len=40, heads=4, kv_heads=1, causal=True),
+    Config("h8_kv1", q_len=24, heads=8, kv_heads=1),
+    Config("h8_kv4_packed", q_len=48, heads=8, kv_heads=4, segments="packed"),
+    Config("h8_kv8", q_len=24, heads=8, kv_heads=8),
+    # Head dims, and head_dim_v != head_dim.
+    Config("d80", q_len=50, head_dim=80),
+    Config("d128_causal", q_len=64, head_dim=128, causal=True),
+    Config("d256", q_len=40, heads=1, head_dim=256),
+    Config("dv32_d64", q_len=48, head_dim=64, head_dim_v=32),
+    Config("dv128_d32_causal_gqa", q_len=48, heads=4, kv_heads=2, head_dim_v=128, causal=True),
+    # Segments.
+    Config("packed_batch3_causal", q_len=128, batch=3, causal=True, segments="packed"),
+    Config("orphan_rows", q_len=64, batch=2, segments="orphans"),
+    Config("orphan_rows_cross_causal", q_len=64, kv_len=90, batch=2, causal=True, segments="orphans"),
+    # Windows.
+    Config("window_0_0", q_len=128, window=(0, 0)),
+    Config("window_int", q_len=128, window=9),
+    Config("window_asymmetric", q_len=200, window=(17, 5)),
+    Config("causal_window", q_len=333, heads=1, causal=True, window=(64, 0)),
+    Config("causal_window_packed_batch3", q_len=200, batch=3, causal=True, window=(32, 0),
+           segments="packed"),
+    Config("window_empty_rows_cross", q_len=200, kv_len=128, window=(0, 0)),
+    # Softcap and scale.
+    Config("softcap", q_len=64, softcap=2.0, input_scale=3.0),
+    Config("softcap_causal_gqa_packed", q_len=96, heads=4, kv_heads=2, causal=True, softcap=5.0,
+           input_scale=2.0, segments="packed"),
+    Config("scale_small", q_len=64, scale=0.05),
+    Config("scale_large_causal", q_len=64, causal=True, scale=0.5),
+]
+CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
+
+
+# ----------------------------------------------------------------------------
+# Problems
+# ----------------------------------------------------------------------------
+
+def _packed_ids(rng, batch, length, num_docs, pad):
+  """Per row: documents 1..num_docs in order, each of random length, then `pad` zeros."""
+  ids = np.zeros((batch, length), np.int32)
+  real = max(length - pad, 0)
+  for row in range(batch):
+    cuts = np.sort(rng.choice(np.arange(1, real), size=min(num_docs - 1, max(real - 1, 0)),
+                              replace=False)) if real > 1 else np.array([], int)
+    ids[row, :real] = 1 + np.searchsorted(cuts, np.arange(real), side="right")
+  return ids
+
+
+def _segment_kwargs(cfg: Config, rng) -> dict:
+  if cfg.segments is None:
+    return {}
+  num_docs = int(rng.integers(1, 5))
+  q_ids = _packed_ids(rng, cfg.batch, cfg.q_len, num_docs, pad=int(rng.integers(0, cfg.q_len // 4 + 1)))
+  if cfg.s == cfg.q_len:
+    kv_ids = q_ids.copy()
+  else:
+    kv_ids = _packed_ids(rng, cfg.batch, cfg.s, num_docs, pad=int(rng.integers(0, cfg.s // 4 + 1)))
+  if cfg.segments == "orphans":
+    # The last quarter of the queries belongs to a document no key is in.
+    q_ids[:, cfg.q_len - max(cfg.q_len // 4, 1):] = 99
+  if cfg.s == cfg.q_len and cfg.segments == "packed":
+    return {"segment_ids": q_ids}
+  return {"segment_ids": q_ids, "kv_segment_ids": kv_ids}
+
+
+@dataclasses.dataclass
+class Problem:
+  cfg: Config
+  dtype: str
+  seed: int | None  # None: derived from the config's name
+  inputs: tuple  # q, k, v, dout as numpy arrays already rounded to `dtype` (held in float32)
+  seg: dict  # numpy int32 segment ids
+  expected: dict  # float64 out, lse, dq, dk, dv, visible_rows
+
+  @property
+  def kwargs(self) -> dict:
+    cfg = self.cfg
+    return {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale}
+
+
+@functools.cache
+def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
+  rng = np.random.default_rng(zlib.crc32(cfg.name.encode()) if seed is None else seed)
+  b, t, s, h, kvh, d, dv = cfg.batch, cfg.q_len, cfg.s, cfg.heads, cfg.kvh, cfg.head_dim, cfg.dv
+  shapes = [(b, t, h, d), (b, s, kvh, d), (b, s, kvh, dv), (b, t, h, dv)]
+  arrays = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
+  arrays[0] *= cfg.input_scale
+  arrays[1] *= cfg.input_scale
+  # Round to the test dtype first, so float64 sees exactly the values the impl sees.
+  arrays = tuple(np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in arrays)
+  seg = _segment_kwargs(cfg, rng)
+  visible = float64_reference.mask(b, t, s, causal=cfg.causal, window=cfg.window, **seg)[:, None]
+  q, k, v, dout = arrays
+  expected = float64_reference.attention(q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap,
+                                         dout=dout)
+  return Problem(cfg, dtype, seed, arrays, seg, expected)
+
+
+def _interpret(platform):
+  return fl.interpret_as(platform) if platform else contextlib.nullcontext()
+
+
+def run_case(case, problem: Problem) -> dict:
+  """Forward and dq, dk, dv of `case` on `problem`, in one compiled function."""
+  impl, platform = case
+  kwargs = problem.kwargs
+
+  def fwd_bwd(q, k, v, dout, seg):
+    out, vjp = jax.vjp(lambda q, k, v: fl.attention(q, k, v, impl=impl, **seg, **kwargs), q, k, v)
+    dq, dk, dv = vjp(dout)
+    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+
+  arrays = [jnp.asarray(a, problem.dtype) for a in problem.inputs]
+  seg = {name: jnp.asarray(ids) for name, ids in problem.seg.items()}
+  with _interpret(platform):
+    result = jax.jit(fwd_bwd)(*arrays, seg)
+  return {name: np.asarray(x.astype(jnp.float32), np.float64) for name, x in result.items()}
+
+
+def relative_errors(actual: dict, expected: dict) -> dict[str, tuple[float, tuple]]:
+  """Per tensor: (worst |actual - expected| / its float64 magnitude, index of the worst element).
+
+  The magnitude (see float64_reference) is the size of the terms summed, so an
+  output that cancels to ~0 is not judged relative to ~0.
+  """
+  errors = {}
+  for name in ("out", *GRADS):
+    diff = np.abs(actual[name] - expected[name])
+    if not np.all(np.isfinite(actual[name])):
+      errors[name] = (np.inf, tuple(int(i) for i in np.argwhere(~np.isfinite(actual[name]))[0]))
+      continue
+    worst = np.unravel_index(np.argmax(diff), diff.shape)
+    errors[name] = (float(diff[worst] / max(expected["magnitude"][name], 1e-30)),
+                    tuple(int(i) for i in worst))
+  return errors
+
+
+@functools.cache
+def _reference_bf16_errors(cfg: Config, seed: int | None) -> dict:
+  problem = make_problem(cfg, "bfloat16", seed)
+  return relative_errors(run_case(("reference", None), problem), problem.expected)
+
+
+def check_case(case, problem: Problem):
+  """Run `case` on `problem` and assert it conforms (or refuses, if REFUSED says so)."""
+  refused = problem.cfg.features() & set(REFUSED.get(case, ()))
+  if refused:
+    with pytest.raises(fl.UnsupportedError, match="|".join(sorted(refused))):
+      run_case(case, problem)
+    return
+  actual = run_case(case, problem)
+  errors = relative_errors(actual, problem.expected)
+  if problem.dtype == "float32":
+    limits = {name: F32_TOL for name in errors}
+  else:
+    ref = _reference_bf16_errors(problem.cfg, problem.seed)
+    limits = {name: 2 * ref[name][0] + BF16_FLOOR for name in errors}
+  failed = {name: err for name, err in errors.items() if not err[0] <= limits[name]}
+  report = ", ".join(f"{name} {err:.2e} at {idx} (limit {limits[name]:.2e})"
+                     for name, (err, idx) in errors.items())
+  assert not failed, f"{case} {problem.cfg.name} {problem.dtype}: {report}"
+
+  # Rows that see no key: exactly zero output and zero dq, never NaN.
+  empty = ~problem.expected["visible_rows"]  # [b, h, t]
+  if empty.any():
+    empty_btn = np.transpose(empty, (0, 2, 1))  # [b, t, h]
+    assert np.all(actual["out"][empty_btn] == 0), f"{case}: rows with no visible key must be 0"
+    assert np.all(actual["dq"][empty_btn] == 0), f"{case}: rows with no visible key need dq = 0"
+
+
+# ----------------------------------------------------------------------------
+# Tests
+# ----------------------------------------------------------------------------
+
+def _case_id(case):
+  impl, platform = case
+  return impl if platform is None else f"{impl}-{platform}"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("config", [c.name for c in CONFIGS])
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_conforms(case, config, dtype):
+  check_case(case, make_problem(CONFIG_BY_NAME[config], dtype))
+
+
+def test_configs_cover_the_contract():
+  """The list above really covers what its docstring promises."""
+  lengths = {c.q_len for c in CONFIGS} | {c.s for c in CONFIGS}
+  assert {1, 7, 128, 200, 333, 1024} <= lengths
+  assert any(c.q_len != c.s for c in CONFIGS)
+  assert {c.batch for c in CONFIGS} >= {1, 3}
+  pairs = {(c.heads, c.kvh) for c in CONFIGS}
+  assert {(h, kvh) for h in (1, 2, 4, 8) for kvh in range(1, h + 1) if h % kvh == 0} <= pairs
+  assert {32, 64, 80, 128, 256} <= {c.head_dim for c in CONFIGS}
+  assert any(c.dv != c.head_dim for c in CONFIGS)
+  assert any(c.window == (0, 0) for c in CONFIGS)
+  assert any(c.causal and c.window is not None for c in CONFIGS)
+  assert {"packed", "orphans"} <= {c.segments for c in CONFIGS}
+  assert any(c.softcap for c in CONFIGS) and any(c.scale for c in CONFIGS)
+  # Rows with no visible key occur (the zero-output check runs on them).
+  assert any(not make_problem(c, "float32").expected["visible_rows"].all() for c in CONFIGS)
+
+
+@st.composite
+def random_configs(draw):
+  heads = draw(st.sampled_from([1, 2, 4]))
+  kv_heads = draw(st.sampled_from([n for n in (1, 2, 4) if heads % n == 0]))
+  q_len = draw(st.integers(1, 70))
+  kv_len = draw(st.one_of(st.just(q_len), st.integers(1, 70)))
+  window = draw(st.one_of(st.none(), st.integers(0, 20),
+                          st.tuples(st.integers(0, 20), st.integers(0, 20))))
+  head_dim = draw(st.sampled_from([32, 64]))
+  return Config(
+      "hypothesis", q_len=q_len, kv_len=kv_len, batch=draw(st.integers(1, 2)), heads=heads,
+      kv_heads=kv_heads, head_dim=head_dim,
+      head_dim_v=draw(st.sampled_from([head_dim, head_dim, 32])), causal=draw(st.booleans()),
+      window=window, segments=draw(st.sampled_from([None, "packed", "orphans"])),
+      softcap=draw(st.sampled_from([None, None, 4.0])),
+      scale=draw(st.sampled_from([None, None, 0.3])), input_scale=1.5)
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+@hypothesis.settings(max_examples=15, deadline=None,
+                     suppress_health_check=[hypothesis.HealthCheck.too_slow])
+@hypothesis.given(cfg=random_configs(), seed=st.integers(0, 2**31 - 1))
+def test_conforms_on_random_configs(case, cfg, seed):
+  problem = make_problem(cfg, "float32", seed)
+  check_case(case, problem)
