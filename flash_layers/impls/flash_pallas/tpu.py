@@ -1,10 +1,12 @@
 """flash_pallas on TPU: our own Mosaic flash-attention kernels, forward and backward.
 
-Layout. The wrapper moves heads in front of the sequence (``[batch, heads, len, dim]``), pads
-``len`` to a multiple of the block sizes and ``dim`` to 128 lanes, so that every tile a kernel
-touches respects the TPU's (8 sublanes, 128 lanes) vreg tiling and feeds the MXU whole. Padded
-keys and queries are masked by position; padded feature columns are zeros, which change no dot
-product, and are sliced off the results.
+Layout. The wrapper moves heads in front of the sequence (``[batch, heads, len, dim]``) and pads
+``len`` to a multiple of the block sizes; padded keys and queries are masked by position. Tiles
+are ``(block, head_dim)`` with blocks multiples of 128, so they respect the TPU's (8 sublanes,
+128 lanes) tiling. A tile spans the whole head_dim, so any head_dim is legal; one that is not a
+multiple of 128 (BERT's 32 and 64) is padded to 128 lanes inside VMEM and the vregs by Mosaic,
+not in HBM: no zero columns are stored, copied or re-read with every K/V block. (Compiled for
+v4, v5e, v5p and v6e with head_dim 17, 32, 64, 80, 128, 200 and 256.)
 
 Grid. The forward kernel runs over ``(batch, heads, q blocks, kv steps)``. The first three axes
 are independent ("parallel": Mosaic may split them across TensorCores); the last one carries the
@@ -45,7 +47,6 @@ from flash_layers.impls.base import Args, Request
 from flash_layers.impls.flash_pallas.gpu import GpuBlockSizes
 
 LANES = 128    # vreg minor dimension; the MXU is 128 (v4, v5e, v5p) or 256 (v6e) wide
-SUBLANES = 8   # vreg second-minor dimension (32-bit)
 
 
 # ----------------------------------------------------------------------------
@@ -193,15 +194,14 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   q_pad = _round_up(request.q_len, math.lcm(fwd[0], bwd[0]))
   kv_pad = _round_up(request.kv_len, math.lcm(fwd[1], bwd[1]))
 
-  def to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d_pad]
+  def to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d]
     x = jnp.swapaxes(x, 1, 2)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]),
-                       (0, _round_up(x.shape[3], LANES) - x.shape[3])))
+    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
 
   offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
   out, lse = _flash(cfg, to_kernel_layout(q, q_pad), to_kernel_layout(k, kv_pad),
                     to_kernel_layout(v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
-  out = jnp.swapaxes(out[:, :, :request.q_len, :request.head_dim_v], 1, 2)
+  out = jnp.swapaxes(out[:, :, :request.q_len], 1, 2)
   return out, lse[:, :, 0, :request.q_len]
 
 

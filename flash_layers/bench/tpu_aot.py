@@ -1,0 +1,112 @@
+"""`python -m flash_layers.bench.tpu_aot`: compile one forward+backward for a TPU chip; memory and FLOPs.
+
+    python -m flash_layers.bench.tpu_aot --generation v5e --seq-len 32768
+
+Needs libtpu, no TPU: `jax.experimental.topologies` describes one chip of the chosen
+generation, and `jax.grad` of `fl.attention(..., impl="flash_pallas")` is compiled for it ahead
+of time by the real Mosaic compiler (under `jax.sharding.set_mesh`, so the generation's block
+sizes apply). It prints XLA's per-chip memory (arguments, outputs, temporaries, code), the
+FLOPs XLA's cost analysis reports next to the analytic count of the visible pairs, and the
+Mosaic kernels in the compiled program.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+
+TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6e:2x2"}
+
+
+def _parse(argv):
+  parser = argparse.ArgumentParser(prog="python -m flash_layers.bench.tpu_aot", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser.add_argument("--generation", default="v5e", choices=sorted(TOPOLOGIES))
+  parser.add_argument("--seq-len", type=int, default=32768)
+  parser.add_argument("--batch", type=int, default=1)
+  parser.add_argument("--heads", type=int, default=12)
+  parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
+  parser.add_argument("--mask", default="causal", choices=("causal", "full", "packed"),
+                      help="packed: segment ids (values unknown at compile time)")
+  parser.add_argument("--impl", default="flash_pallas", help="any of fl.IMPLS, to compare")
+  parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+  return parser.parse_args(argv)
+
+
+def compile_step(args) -> dict:
+  """Compile forward+backward for one chip of `args.generation`; returns what `main` prints."""
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # another process may hold libtpu
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental import topologies
+
+  import flash_layers as fl
+  from flash_layers import masks
+
+  try:
+    device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
+  except Exception as e:  # libtpu missing
+    raise SystemExit(f"--generation {args.generation}: cannot describe this TPU (is libtpu "
+                     f"installed? pip install -e .[tpu-aot]): {e}") from None
+  placed = jax.sharding.SingleDeviceSharding(device)
+  kv_heads = args.kv_heads or args.heads
+  dtype = jnp.dtype(args.dtype)
+  q = jax.ShapeDtypeStruct((args.batch, args.seq_len, args.heads, args.head_dim), dtype, sharding=placed)
+  kv = jax.ShapeDtypeStruct((args.batch, args.seq_len, kv_heads, args.head_dim), dtype, sharding=placed)
+  seg = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=placed)
+  causal = args.mask == "causal"
+
+  def loss(q, k, v, segment_ids):
+    out = fl.attention(q, k, v, impl=args.impl, causal=causal,
+                       segment_ids=segment_ids if args.mask == "packed" else None)
+    return jnp.sum(out.astype(jnp.float32))
+
+  with jax.sharding.set_mesh(jax.sharding.Mesh([device], ("chip",))):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile()
+  memory = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  pairs = masks.count_visible(args.seq_len, args.seq_len, masks.MaskSpec(causal=causal))
+  d = args.head_dim
+  sizes = {name: int(getattr(memory, f"{name}_size_in_bytes")) for name in
+           ("argument", "output", "temp", "generated_code")}
+  kernels = re.findall(r"%([\w.-]+) = [^\n]*custom_call_target=\"tpu_custom_call\"", compiled.as_text())
+  return {
+      "generation": args.generation, "device_kind": device.device_kind, "impl": args.impl,
+      "shape": {"batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
+                "kv_heads": kv_heads, "head_dim": d, "dtype": args.dtype, "mask": args.mask},
+      "block_sizes": str(fl.BlockSizes.for_generation(args.generation)),
+      "memory_bytes": {**sizes, "total": sum(sizes.values())},
+      "flops_compiled": float(cost.get("flops", float("nan"))),
+      # forward 4d, dK/dV 8d, dQ 6d per visible pair and head (mask without segment ids)
+      "flops_analytic": float(pairs * args.batch * args.heads * 18 * d),
+      "mosaic_kernels": sorted(re.sub(r"\.\d+$", "", k) for k in kernels),
+  }
+
+
+def main(argv=None):
+  args = _parse(argv)
+  result = compile_step(args)
+  if args.json:
+    print(json.dumps(result))
+    return
+  mib = {k: v / 2**20 for k, v in result["memory_bytes"].items()}
+  s = result["shape"]
+  print(f"{result['impl']} forward+backward on one {result['device_kind']} ({result['generation']}), "
+        f"{s['dtype']}[batch {s['batch']}, {s['seq_len']} tokens, heads {s['heads']}/{s['kv_heads']}, "
+        f"head_dim {s['head_dim']}], mask {s['mask']}")
+  print(f"  block sizes        {result['block_sizes']}")
+  print(f"  memory per chip    {mib['total']:.1f} MiB = arguments {mib['argument']:.1f} + outputs "
+        f"{mib['output']:.1f} + temporaries {mib['temp']:.1f} + code {mib['generated_code']:.1f}")
+  print(f"  FLOPs (compiled)   {result['flops_compiled']:.4g}")
+  print(f"  FLOPs (analytic)   {result['flops_analytic']:.4g}   visible pairs x 18 x head_dim x heads")
+  print(f"  Mosaic kernels     {', '.join(result['mosaic_kernels']) or 'none'}")
+
+
+if __name__ == "__main__":
+  main()
