@@ -146,7 +146,9 @@ def test_bfloat16_compute(impl):
 # Against flax's own attention modules
 # ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("impl", (*IMPLS, "auto"))
+# The other impls equal the reference in the layer (test above, with gradients), so
+# reference and auto (the default) suffice against flax.
+@pytest.mark.parametrize("impl", ["reference", "auto"])
 def test_layer_matches_flax_mha(impl):
   """Same weights, flax's own dot-product attention: also checks the 1/sqrt(head_dim) default scale."""
   x, y = inputs(), inputs(KV_LEN, seed=2)  # same features: the params serve self- and cross-attention
@@ -219,8 +221,8 @@ def _nnx_with_weights(params, **kwargs):
   model = nnx.MultiHeadAttention(num_heads=HEADS, in_features=EMBED, decode=False,
                                  rngs=nnx.Rngs(0), **kwargs)
   for name in ("query", "key", "value", "out"):
-    getattr(model, name).kernel.value = params["params"][name]["kernel"]
-    getattr(model, name).bias.value = params["params"][name]["bias"]
+    getattr(model, name).kernel[...] = params["params"][name]["kernel"]
+    getattr(model, name).bias[...] = params["params"][name]["bias"]
   return model
 
 
