@@ -10,9 +10,12 @@ from __future__ import annotations
 import os
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def default_config() -> ml_collections.ConfigDict:
+  """Every field with its default. Optional fields are typed placeholders (None until set),
+  so `--config.a.b=value` can still set them on the command line."""
   c = ml_collections.ConfigDict()
 
   # Seed for parameter init (of anything not loaded from a checkpoint), dropout
@@ -30,7 +33,7 @@ def default_config() -> ml_collections.ConfigDict:
   # Hugging Face BERT-format directory (config.json + model.safetensors), or a
   # name the model package knows (e.g. "all-MiniLM-L6-v2"); None = from scratch
   # with the sizes below and data.tokenizer.
-  m.pretrained = None
+  m.pretrained = placeholder(str)
   # "repeat" the learned position rows (as Longformer) or "interpolate" them.
   m.position_extension = "repeat"
   # How many times the pretrained position table may be extended.
@@ -49,10 +52,10 @@ def default_config() -> ml_collections.ConfigDict:
   m.hidden_size = 128
   m.num_heads = 4
   m.mlp_dim = 512
-  m.vocab_size = None  # None: the tokenizer's vocabulary size.
+  m.vocab_size = placeholder(int)  # None: the tokenizer's vocabulary size.
   # Classes of the classification head; None = from the training data's labels
   # (the TPU dry run, which reads no data, needs it set).
-  m.num_labels = None
+  m.num_labels = placeholder(int)
 
   c.data = d = ml_collections.ConfigDict()
   # "bbc_news", "listops", or a path: a JSONL/CSV/TSV file, a folder with one
@@ -82,9 +85,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Worker processes for tokenization (0 = in the main process).
   d.num_workers = 0
   # Number of examples per split for generated datasets (listops); None = the default.
-  d.num_examples = None
+  d.num_examples = placeholder(int)
   # Rows per evaluation batch over all processes; None = train.batch_size / grad_accum_steps.
-  d.eval_batch_size = None
+  d.eval_batch_size = placeholder(int)
 
   c.train = t = ml_collections.ConfigDict()
   # Optimizer updates to run; one step consumes one global batch.
@@ -109,9 +112,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Dev evaluation every eval_every steps and at the end (0 = only at the end).
   t.eval_every = 200
   # Cap on dev batches per evaluation (None = the whole dev split).
-  t.eval_max_batches = None
+  t.eval_max_batches = placeholder(int)
   # Per-device peak FLOP/s for the MFU estimate; None = look it up by device kind.
-  t.peak_flops_per_device = None
+  t.peak_flops_per_device = placeholder(float)
 
   c.checkpoint = k = ml_collections.ConfigDict()
   # Save (asynchronously) every every_steps steps and at the end.
