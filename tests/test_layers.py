@@ -7,6 +7,8 @@ placeholder impl that is "not built yet" is skipped, nothing else is.
 """
 
 import functools
+import importlib
+import sys
 
 import flax.linen as nn
 import haiku as hk
@@ -302,6 +304,13 @@ def test_haiku_init_scale_matches_flax():
   for name, fans in fan_in.items():
     std = float(params[f"multi_head_attention/{name}"]["kernel"].std())
     assert std == pytest.approx(fans ** -0.5, rel=0.15), name  # LeCun normal, as in flax
+
+
+def test_haiku_missing_says_how_to_install(monkeypatch):
+  monkeypatch.setitem(sys.modules, "haiku", None)  # makes `import haiku` fail
+  monkeypatch.delitem(sys.modules, "flash_layers.haiku")
+  with pytest.raises(ImportError, match=r"pip install flash-layers\[haiku\]"):
+    importlib.import_module("flash_layers.haiku")
 
 
 # ----------------------------------------------------------------------------
