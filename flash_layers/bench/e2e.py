@@ -171,15 +171,18 @@ def run_one(variant: str, seq_len: int, batch: int, *, steps: int, mem_limit: in
   if row["compiled_peak_bytes"] > mem_limit:
     return row | {"status": "not run", "reason": f"compiled memory {row['compiled_peak_bytes'] / 2**30:.1f}"
                   f" GiB > limit {mem_limit / 2**30:.1f} GiB"}
-  times = []
+  times, cpu_times = [], []
   for i in range(steps + 1):
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     params, opt_state, loss = compiled(params, opt_state, data, jax.random.fold_in(rng, i))
     jax.block_until_ready(loss)
     if i:  # step 0 is the warm-up
       times.append(time.perf_counter() - start)
+      cpu_times.append(time.process_time() - start_cpu)
   step_s = statistics.median(times)
-  return row | {"status": "ok", "step_s": step_s, "steps": len(times),
+  # CPU seconds of this process per step: steadier than wall time on a shared machine.
+  return row | {"status": "ok", "step_s": step_s, "step_cpu_s": statistics.median(cpu_times),
+                "steps": len(times),
                 "tokens_per_s": seq_len * batch / step_s, "loss": float(loss),
                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
@@ -210,6 +213,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
       continue
     if r.get("tokens_per_s") and b.get("tokens_per_s"):
       r["speedup_vs_flax"] = r["tokens_per_s"] / b["tokens_per_s"]
+    if r.get("step_cpu_s") and b.get("step_cpu_s"):
+      r["cpu_speedup_vs_flax"] = b["step_cpu_s"] / r["step_cpu_s"]
     if r.get("compiled_peak_bytes") and b.get("compiled_peak_bytes"):
       r["memory_ratio_flax_over_ours"] = b["compiled_peak_bytes"] / r["compiled_peak_bytes"]
     if "params" in r and "params" in b and (r["params"], r["param_tree"]) != (b["params"], b["param_tree"]):
@@ -218,8 +223,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-  header = ["variant", "impl run", "tokens", "batch", "step s", "tokens/s", "x flax", "compiled MiB",
-            "peak RSS MiB", "status"]
+  header = ["variant", "impl run", "tokens", "batch", "step s", "tokens/s", "x flax", "CPU s/step",
+            "x flax (CPU)", "compiled MiB", "peak RSS MiB", "status"]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   mib = lambda v: f"{v / 2**20:.0f}" if v else ""
   for r in rows:
@@ -229,6 +234,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         str(r["seq_len"]), str(r["batch"]), f"{r['step_s']:.2f}" if r.get("step_s") else "",
         f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") else "",
         f"{r['speedup_vs_flax']:.2f}" if r.get("speedup_vs_flax") else "",
+        f"{r['step_cpu_s']:.2f}" if r.get("step_cpu_s") else "",
+        f"{r['cpu_speedup_vs_flax']:.2f}" if r.get("cpu_speedup_vs_flax") else "",
         mib(r.get("compiled_peak_bytes")), mib(r.get("peak_rss_bytes")), status]) + " |")
   return "\n".join(lines)
 

@@ -20,6 +20,7 @@ compiled for the TPU and its memory and FLOPs are reported.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import statistics
 import time
@@ -61,6 +62,8 @@ def tpu_aot_target(topology: str) -> Target:
   """A single-chip TPU from `jax.experimental.topologies` ("v5e" means "v5e:1x1"); needs libtpu."""
   from jax.experimental import topologies
 
+  # Compiling claims no TPU, so don't let another process's libtpu lockfile refuse us.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   name = topology if ":" in topology else f"{topology}:1x1"
   try:
     desc = topologies.get_topology_desc(name, "tpu")
@@ -130,17 +133,22 @@ def _compile(fn, args, target: Target):
   return fn.trace(*abstract).lower(lowering_platforms=(target.platform,)).compile()
 
 
-def _time(compiled, args, config: Config) -> tuple[float, int]:
-  """(median seconds, runs) after one warm-up run."""
+def _time(compiled, args, config: Config) -> dict[str, Any]:
+  """Median wall and process-CPU seconds per run, after one warm-up run.
+
+  CPU seconds (all threads of this process) are the steadier measure on a shared
+  machine: time spent waiting for a core is not counted.
+  """
   jax.block_until_ready(compiled(*args))
-  times = []
-  while len(times) < config.repeats:
-    start = time.perf_counter()
+  walls, cpus = [], []
+  while len(walls) < config.repeats:
+    start, start_cpu = time.perf_counter(), time.process_time()
     jax.block_until_ready(compiled(*args))
-    times.append(time.perf_counter() - start)
-    if len(times) >= 2 and sum(times) > config.cell_seconds:
+    walls.append(time.perf_counter() - start)
+    cpus.append(time.process_time() - start_cpu)
+    if len(walls) >= 2 and sum(walls) > config.cell_seconds:
       break
-  return statistics.median(times), len(times)
+  return {"time_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "runs": len(walls)}
 
 
 def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int | None, int | None]:
@@ -269,11 +277,10 @@ def run_cell(impl: str, seq_len: int, mask: str, dtype: str, pass_: str, *, conf
       return row | {"status": "not run", "reason": f"predicted {predicted:.0f} s per run > "
                     f"{config.max_run_seconds:.0f} s"}
   try:
-    seconds, runs = _time(compiled, args, config)
+    timing = _time(compiled, args, config)
   except Exception as e:
     return row | _error_fields(e)
-  return row | {"status": "ok", "time_s": seconds, "runs": runs,
-                "gflops_per_s": row["flops"] / seconds / 1e9}
+  return row | timing | {"status": "ok", "gflops_per_s": row["flops"] / timing["time_s"] / 1e9}
 
 
 def run_grid(config: Config, target: Target,

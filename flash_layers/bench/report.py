@@ -29,17 +29,19 @@ def markdown(rows: list[dict[str, Any]]) -> str:
   """One table; accelerator rows show TFLOP/s, CPU rows GFLOP/s."""
   accelerated = any(r.get("target", "cpu") not in ("cpu",) for r in rows)
   rate = "TFLOP/s" if accelerated else "GFLOP/s"
-  header = ["impl", "mask", "dtype", "pass", "len", "time ms", rate, "temp MiB", "GFLOP",
+  header = ["impl", "mask", "dtype", "pass", "len", "time ms", "CPU ms", rate, "temp MiB", "GFLOP",
             "blocks visited/total", "status"]
   lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
   for r in rows:
     time_ms = r["time_s"] * 1e3 if r.get("time_s") else None
+    cpu_ms = r["cpu_s"] * 1e3 if r.get("cpu_s") else None
     achieved = r.get("gflops_per_s")
     if achieved is not None and accelerated:
       achieved /= 1e3
     temp = r["temp_bytes"] / _MIB if "temp_bytes" in r else None
     status = r["status"] + (f": {r['reason']}" if r.get("reason") else "")
     cells = [r["impl"], r["mask"], r["dtype"], r["pass"], str(r["seq_len"]), _fmt(time_ms, ".1f"),
+             _fmt(cpu_ms, ".1f"),
              _fmt(achieved, ".2f" if accelerated else ".1f"), _fmt(temp, ".1f"),
              _fmt(r.get("flops", 0) / 1e9, ".2f"), _blocks(r), status.replace("|", "/")]
     lines.append("| " + " | ".join(cells) + " |")
@@ -143,6 +145,9 @@ def summary(rows: list[dict[str, Any]]) -> str:
     for mask in dict.fromkeys(r["mask"] for r in rows):
       parts.append(f"**{mask}, {dtype}, {pass_}: median time (ms)**\n\n"
                    + pivot(rows, "time_s", mask=mask, dtype=dtype, pass_=pass_, scale=1e3))
+      if any(r.get("cpu_s") for r in rows):
+        parts.append(f"**{mask}, {dtype}, {pass_}: median process CPU time (ms)**\n\n"
+                     + pivot(rows, "cpu_s", mask=mask, dtype=dtype, pass_=pass_, scale=1e3))
       parts.append(f"**{mask}, {dtype}, {pass_}: compiled temp memory (MiB)**\n\n"
                    + pivot(rows, "temp_bytes", mask=mask, dtype=dtype, pass_=pass_, scale=1 / _MIB))
   return "\n\n".join(parts)
