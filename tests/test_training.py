@@ -414,3 +414,64 @@ def test_pod_dry_run_compiles_for_v5p_2x2x2(tmp_path):
   assert report["fits"] is True and report["hbm_per_chip_bytes"] == 95 * 2**30
   assert report["per_chip_bytes"]["peak_estimate"] > report["per_chip_bytes"]["arguments"] > 0
   assert report["flops_per_step_per_chip"] > 0
+
+
+# ----------------------------------------------------------------------------
+# Gradient accumulation and the shipped configs (in process)
+# ----------------------------------------------------------------------------
+
+def test_gradient_accumulation_matches_one_big_batch():
+  from flash_layers.training import state as state_lib
+  from flash_layers.training import steps as steps_lib
+
+  def logits_fn(params, batch, *, train, rng):
+    embedded = params["embedding"][batch["input_ids"]].mean(axis=1)  # [batch, 4]
+    return jnp.tanh(embedded @ params["hidden"]) @ params["out"]  # [batch, 3]
+
+  rng = np.random.default_rng(0)
+  params = {"embedding": jnp.asarray(rng.normal(size=(20, 4)), jnp.float32),
+            "hidden": jnp.asarray(rng.normal(size=(4, 4)), jnp.float32),
+            "out": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)}
+  batch = {"input_ids": jnp.asarray(rng.integers(0, 20, (8, 5)), jnp.int32),
+           "segment_ids": jnp.ones((8, 5), jnp.int32),
+           "labels": jnp.asarray([[0], [1], [2], [-1], [1], [0], [2], [-1]], jnp.int32)}
+  train = config_lib.default_config().train
+  train.update(learning_rate=0.1, warmup_steps=0, schedule="constant")
+  tx = optimizer_lib.make_optimizer(train)
+  schedule = optimizer_lib.learning_rate_schedule(train)
+  # Labels are per document slot: logits [batch, 3] -> [batch, 1, 3].
+  slot_logits = lambda p, b, **kw: logits_fn(p, b, **kw)[:, None, :]
+  results = []
+  for accum in (1, 2, 4):
+    step = jax.jit(steps_lib.make_train_step(slot_logits, tx, schedule, num_labels=3, seed=0,
+                                             grad_accum_steps=accum))
+    state = state_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
+    results.append(step(state, batch))
+  (one, one_metrics), *others = results
+  for state, metrics in others:
+    assert int(metrics["count"]) == int(one_metrics["count"]) == 6  # padding rows (label -1) skipped
+    np.testing.assert_allclose(metrics["loss"], one_metrics["loss"], rtol=1e-6)
+    np.testing.assert_array_equal(metrics["confusion"], one_metrics["confusion"])
+    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params), strict=True):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 8),
+                                          ("tpu_pod", 64), ("tiny", 1)])
+def test_shipped_configs_are_valid(name, devices):
+  sys.path.insert(0, str(REPO))
+  try:
+    module = __import__(f"configs.{name}", fromlist=["get_config"])
+  finally:
+    sys.path.remove(str(REPO))
+  config = module.get_config()
+  config_lib.validate(config, num_devices=devices, check_data=False)
+  for field in ("seed", "model.impl", "model.max_len", "data.dataset", "train.num_steps", "train.batch_size",
+                "train.learning_rate", "checkpoint.every_steps"):
+    section, _, leaf = field.rpartition(".")
+    assert leaf in (config[section] if section else config), field
+  source = (REPO / "flash_layers/training/config.py").read_text()
+  for line in ("c.seed = 0", "m.impl = ", "m.max_len = ", "d.dataset = ", "t.num_steps = ", "t.batch_size = ",
+               "t.learning_rate = ", "k.every_steps = "):
+    before = source[:source.index(line)].rstrip().splitlines()[-1].strip()
+    assert before.startswith("#"), f"{line!r} has no comment above it in config.py"
