@@ -29,7 +29,9 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
   columns change neither logits nor outputs.
 * Masks: positions are global (`q_offset`/`kv_offset`, possibly traced, come in
   as a tiny int32 array), and the element predicate inside a tile is
-  `masks.visible` itself, the one definition every impl uses.
+  `masks.visible` itself, the one definition every impl uses. Tiles the block
+  map marks `full` (every pair visible: most tiles of a long causal or packed
+  sequence) skip the element mask behind an `scf.if`.
 
 Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
 GPU generation and head_dim, and can be overridden per call with
@@ -243,10 +245,12 @@ def _round_up(x: int, multiple: int) -> int:
 # The tile computation shared by all three kernels
 # ----------------------------------------------------------------------------
 
-def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, offsets_ref,
+def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, full, offsets_ref,
                  q_seg, kv_seg):
   """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
 
+  `full` (from the block map) says every pair of the tile is visible: the element
+  mask is then skipped (most tiles of a long causal or packed sequence are full).
   Returns (s2, tanh_t): s2 = logits * log2(e) in float32; tanh_t is tanh(x / softcap)
   (needed by the backward's chain rule) or None without softcap.
   """
@@ -257,7 +261,10 @@ def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, offset
   else:
     tanh_t = jnp.tanh(raw * (st.request.scale / st.request.softcap))
     s2 = tanh_t * (st.request.softcap * LOG2E)
-  if st.needs_mask:
+  if not st.needs_mask:
+    return s2, tanh_t
+
+  def element_mask(s2):
     q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
     q_pos = (offsets_ref[0] + q_local)[:, None]
@@ -267,8 +274,9 @@ def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, offset
                        None if kv_seg is None else kv_seg[None, :])
     if st.request.kv_len != st.kv_pad:
       ok = ok & (kv_local < st.request.kv_len)[None, :]
-    s2 = jnp.where(ok, s2, -jnp.inf)
-  return s2, tanh_t
+    return jnp.where(ok, s2, -jnp.inf)
+
+  return lax.cond(full != 0, lambda s2: s2, element_mask, s2), tanh_t
 
 
 def _grad_logits(st: _Static, p, dp, delta, tanh_t):
@@ -285,7 +293,7 @@ def _grad_logits(st: _Static, p, dp, delta, tanh_t):
 
 def _forward_kernel(st: _Static, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
-  (offsets_ref, kv_index_ref, kv_count_ref), refs = refs[:3], refs[3:]
+  (offsets_ref, kv_index_ref, kv_count_ref, kv_full_ref), refs = refs[:4], refs[4:]
   if st.has_segments:
     (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
   q_ref, k_ref, v_ref, o_ref, lse_ref = refs
@@ -302,7 +310,7 @@ def _forward_kernel(st: _Static, *refs):
     kv_slice = pl.ds(kv_block * block_kv, block_kv)
     kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
     s2, _ = _tile_logits(st, q, k_ref[kv_slice, :], q_block, kv_block, block_q, block_kv,
-                         offsets_ref, q_seg, kv_seg)
+                         kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg)
     m_new = jnp.maximum(m, s2.max(axis=-1))
     # A row that has seen only masked keys keeps m = -inf; subtracting 0 instead
     # keeps exp2 at exp2(-inf) = 0 rather than exp2(nan).
@@ -330,7 +338,7 @@ def _forward_kernel(st: _Static, *refs):
 
 def _dkv_kernel(st: _Static, *refs):
   """One program: kv block `program_id(0)` of (batch, kv head) `program_id(1)`."""
-  (offsets_ref, q_index_ref, q_count_ref), refs = refs[:3], refs[3:]
+  (offsets_ref, q_index_ref, q_count_ref, q_full_ref), refs = refs[:4], refs[4:]
   if st.has_segments:
     (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
@@ -349,8 +357,8 @@ def _dkv_kernel(st: _Static, *refs):
       q_slice = pl.ds(q_block * block_q, block_q)
       q = q_ref[q_slice, head, :]
       q_seg = q_seg_ref[q_slice] if st.has_segments else None
-      s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, offsets_ref,
-                                q_seg, kv_seg)
+      s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv,
+                                q_full_ref[map_row, kv_block, step], offsets_ref, q_seg, kv_seg)
       # lse2 is +inf for rows that see no key, so their p is exactly 0.
       p = jnp.exp2(s2 - lse2_ref[head, q_slice][:, None])
       do = do_ref[q_slice, head, :]
@@ -372,7 +380,7 @@ def _dkv_kernel(st: _Static, *refs):
 
 def _dq_kernel(st: _Static, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
-  (offsets_ref, kv_index_ref, kv_count_ref), refs = refs[:3], refs[3:]
+  (offsets_ref, kv_index_ref, kv_count_ref, kv_full_ref), refs = refs[:4], refs[4:]
   if st.has_segments:
     (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
@@ -389,8 +397,8 @@ def _dq_kernel(st: _Static, *refs):
     kv_slice = pl.ds(kv_block * block_kv, block_kv)
     kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
     k = k_ref[kv_slice, :]
-    s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, offsets_ref,
-                              q_seg, kv_seg)
+    s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv,
+                              kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg)
     p = jnp.exp2(s2 - lse2[:, None])
     dp = lax.dot_general(do, v_ref[kv_slice, :], (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
@@ -417,16 +425,23 @@ def _visible_pairs(st: _Static, batch: int) -> int:
   return batch * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec)
 
 
-def _mask_inputs(st: _Static, bmap_index, bmap_count, offsets, q_seg, kv_seg, *, by_q: bool,
+def _mask_inputs(st: _Static, bmap: masks.BlockMap, offsets, q_seg, kv_seg, *, by_q: bool,
                  block_q: int, block_kv: int, heads: int):
-  """Inputs and BlockSpecs shared by the three kernels: offsets, block map, segment ids.
+  """Inputs and BlockSpecs shared by the three kernels: offsets, block lists, segment ids.
 
-  The block map and offsets are small and read as scalars (Triton has no scalar
-  prefetch), so they are passed whole.
+  by_q: programs own a q block and walk its kv blocks (forward, dQ); else they own
+  a kv block and walk its q blocks (dK/dV). Each list comes with the `full` flag
+  of every listed block, in list order. The lists and offsets are small and read
+  as scalars (Triton has no scalar prefetch), so they are passed whole.
   """
+  if by_q:
+    index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
+  else:
+    index, count, full = bmap.q_index, bmap.q_count, jnp.swapaxes(bmap.full, 1, 2)
+  full = jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)
   whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731
-  arrays = [offsets, bmap_index, bmap_count]
-  specs = [whole(offsets), whole(bmap_index), whole(bmap_count)]
+  arrays = [offsets, index, count, full]
+  specs = [whole(x) for x in arrays]
   if st.has_segments:
     arrays += [q_seg, kv_seg]
     if by_q:  # program (q block, b * heads): its q ids, the whole kv row
@@ -443,7 +458,7 @@ def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, off
   h, g = st.request.num_heads, st.group
   cfg = st.cfg
   num_q_blocks = -(-st.request.q_len // cfg.block_q)
-  arrays, specs = _mask_inputs(st, bmap.kv_index, bmap.kv_count, offsets, q_seg, kv_seg, by_q=True,
+  arrays, specs = _mask_inputs(st, bmap, offsets, q_seg, kv_seg, by_q=True,
                                block_q=cfg.block_q, block_kv=cfg.block_kv, heads=h)
   specs += [
       pl.BlockSpec((None, cfg.block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
@@ -482,7 +497,7 @@ def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, o
   io_bytes = int(sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2)
 
   # dK/dV: program (kv block, b * kv head); Q, dO, lse, D of the group's heads stay whole.
-  arrays, specs = _mask_inputs(st, bmap.q_index, bmap.q_count, offsets, q_seg, kv_seg, by_q=False,
+  arrays, specs = _mask_inputs(st, bmap, offsets, q_seg, kv_seg, by_q=False,
                                block_q=block_q, block_kv=block_kv, heads=kvh)
   specs += [
       pl.BlockSpec((None, st.q_pad, g, st.d_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
@@ -507,7 +522,7 @@ def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, o
   )(*arrays, q, k, v, do, lse2, delta)
 
   # dQ: program (q block, b * head), looping over visible kv blocks like the forward.
-  arrays, specs = _mask_inputs(st, bmap.kv_index, bmap.kv_count, offsets, q_seg, kv_seg, by_q=True,
+  arrays, specs = _mask_inputs(st, bmap, offsets, q_seg, kv_seg, by_q=True,
                                block_q=block_q, block_kv=block_kv, heads=h)
   specs += [
       pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
