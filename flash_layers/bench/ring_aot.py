@@ -34,7 +34,8 @@ def _parse(argv):
   parser.add_argument("--head-dim", type=int, default=128)
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
   parser.add_argument("--impl", default="flash_pallas")
-  parser.add_argument("--mask", default="causal", choices=("causal", "full", "packed"))
+  parser.add_argument("--mask", default="causal", choices=("causal", "full", "packed", "causal+packed"),
+                      help="packed: with segment ids (their values are runtime data)")
   parser.add_argument("--data", type=int, default=1)
   parser.add_argument("--tensor", type=int, default=1)
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -70,8 +71,8 @@ def compile_ring(args) -> dict:
   kv_sharding = heads if kv_heads % args.tensor == 0 else tokens
 
   def loss(q, k, v, segment_ids):
-    out = fl.attention(q, k, v, impl=args.impl, causal=args.mask == "causal",
-                       segment_ids=segment_ids if args.mask == "packed" else None, mesh=mesh)
+    out = fl.attention(q, k, v, impl=args.impl, causal="causal" in args.mask,
+                       segment_ids=segment_ids if "packed" in args.mask else None, mesh=mesh)
     return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)),
@@ -82,7 +83,7 @@ def compile_ring(args) -> dict:
     # Under the mesh the kernels see the chip generation (their tile sizes follow it).
     compiled = step.lower(q, kv, kv, seg).compile()
   # Outside the mesh: explain's block counts run eagerly, on this host.
-  sharding = fl.explain(q, kv, kv, impl=args.impl, causal=args.mask == "causal", mesh=mesh).sharding
+  sharding = fl.explain(q, kv, kv, impl=args.impl, causal="causal" in args.mask, mesh=mesh).sharding
   memory = compiled.memory_analysis()
   text = compiled.as_text()
   full_kv_bytes = args.batch * args.seq_len * kv_heads * args.head_dim * dtype.itemsize
