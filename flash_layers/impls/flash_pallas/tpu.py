@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -231,20 +232,110 @@ def _compiler_params(semantics: tuple[str, ...]):
   return params(dimension_semantics=semantics)
 
 
-def _plan(index, full, count):
-  """Flatten a block map's (index, full, count) into the two SMEM tables a kernel reads.
+class _Step(NamedTuple):
+  q_block: jax.Array
+  kv_block: jax.Array
+  full: jax.Array     # every pair of the tile is visible: no element mask
+  visited: jax.Array  # step < count: a visible block (else a skipped step)
+  first: jax.Array    # first step of the accumulation (initialize the scratch)
+  last: jax.Array     # last step (write the output block)
 
-  plan[row, step] = 2 * block + full(row, block): which block step ``step`` of ``row`` handles
-  and whether it needs no element mask. Flat 1-D tables keep SMEM padding small.
+
+@dataclasses.dataclass(frozen=True)
+class _Grid:
+  """One kernel's grid, and the BlockSpecs that follow the block map's plan.
+
+  q-major (forward, dQ): (batch, heads, q blocks, kv steps); step s of q block i visits kv
+    block plan[i, s]. GQA: query head h reads kv head h // group straight from HBM.
+  kv-major (dK/dV): (batch, kv heads, kv blocks, heads of the group, q steps); step s of kv
+    block j visits q block plan[j, s], for each query head sharing the kv head.
+  The first three axes are "parallel"; the rest accumulate into VMEM scratch, "arbitrary".
+
+  plan[row, step] = 2 * block + full (a flat int32 table in SMEM, scalar-prefetched), with
+  ``row`` = (batch if segment ids else 0, outer block). The index maps read it, so a skipped step
+  (step >= count[row]) names the same block as the step before and Pallas fetches nothing.
   """
+
+  kv_major: bool
+  has_segments: bool
+  shape: tuple[int, ...]
+  group: int
+  block_q: int
+  block_kv: int
+
+  def locate(self, ids, plan_ref):
+    """(batch, query head, kv head, q block, kv block, row, plan entry) of grid point `ids`."""
+    rows, steps = self.shape[2], self.shape[-1]
+    batch, outer, block, step = ids[0], ids[1], ids[2], ids[-1]
+    row = (batch if self.has_segments else 0) * rows + block
+    entry = plan_ref[row * steps + step]
+    # >> 1, not // 2: signed division lowers to `sign`, whose Mosaic rule asks for the local
+    # TPU's generation (there is none when compiling ahead of time on a CPU host).
+    visits = entry >> 1
+    if self.kv_major:
+      return batch, outer * self.group + ids[3], outer, visits, block, row, entry
+    return batch, outer, jax.lax.div(outer, self.group), block, visits, row, entry
+
+  def _spec(self, block_shape, pick):
+    def index_map(*args):  # the grid indices, then the scalar-prefetch refs (offsets, plan, count)
+      where = self.locate(args[:len(self.shape)], args[len(self.shape) + 1])
+      return pick(*where[:5])
+    return pl.BlockSpec(block_shape, index_map)
+
+  def q_tile(self, width):  # q, dO, out, dQ: [b, h, q_pad, width]
+    return self._spec((None, None, self.block_q, width), lambda b, h, kh, qb, kb: (b, h, qb, 0))
+
+  def q_row(self):  # lse, D: [b, h, 1, q_pad]
+    return self._spec((None, None, 1, self.block_q), lambda b, h, kh, qb, kb: (b, h, 0, qb))
+
+  def kv_tile(self, width):  # k, v, dK, dV: [b, kv_heads, kv_pad, width]
+    return self._spec((None, None, self.block_kv, width), lambda b, h, kh, qb, kb: (b, kh, kb, 0))
+
+  def segment_rows(self):  # q and kv segment ids: [b, 1, len_pad]
+    return [self._spec((None, 1, self.block_q), lambda b, h, kh, qb, kb: (b, 0, qb)),
+            self._spec((None, 1, self.block_kv), lambda b, h, kh, qb, kb: (b, 0, kb))]
+
+  def step(self, plan_ref, count_ref) -> _Step:
+    """Inside a kernel: where this grid step is."""
+    ids = [pl.program_id(axis) for axis in range(len(self.shape))]
+    _, _, _, q_block, kv_block, row, entry = self.locate(ids, plan_ref)
+    first = last = True
+    for axis in range(3, len(self.shape)):
+      first = first & (ids[axis] == 0)
+      last = last & (ids[axis] == self.shape[axis] - 1)
+    return _Step(q_block, kv_block, (entry & 1) == 1, ids[-1] < count_ref[row], first, last)
+
+
+def _grid(cfg: _Static, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool):
+  """The block map for these tiles (`masks.block_map`, plain JAX), as a grid and its SMEM tables."""
+  block_q, block_kv = blocks
+  bm = masks.block_map(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, q_seg, kv_seg,
+                       offsets[0], offsets[1])
+  num_q, num_kv = bm.visible.shape[1:]
+  batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
+  if kv_major:
+    index, full, count = bm.q_index, jnp.swapaxes(bm.full, 1, 2), bm.q_count
+    shape = (batch, kv_heads, num_kv, heads // kv_heads, num_q)
+  else:
+    index, full, count = bm.kv_index, bm.full, bm.kv_count
+    shape = (batch, heads, num_q, num_kv)
   full_at = jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)
-  return (2 * index + full_at).reshape(-1), count.reshape(-1)
+  plan = (2 * index + full_at).reshape(-1)  # flat 1-D tables keep SMEM padding small
+  grid = _Grid(kv_major, cfg.has_segments, shape, heads // kv_heads, block_q, block_kv)
+  return grid, plan, count.reshape(-1)
 
 
-def _decode(entry):
-  """plan entry -> (block, full). Shifts, not // and %: signed division lowers to `sign`,
-  whose Mosaic rule asks for the local TPU's generation (absent in an AOT compile on a CPU host)."""
-  return entry >> 1, (entry & 1) == 1
+def _call(kernel, name: str, cfg: _Static, grid: _Grid, tables, inputs, in_specs, out_shape,
+          out_specs, scratch, cost):
+  return pl.pallas_call(
+      functools.partial(kernel, cfg=cfg, grid=grid),
+      grid_spec=pltpu.PrefetchScalarGridSpec(
+          num_scalar_prefetch=len(tables), grid=grid.shape, in_specs=in_specs, out_specs=out_specs,
+          scratch_shapes=scratch),
+      out_shape=out_shape, compiler_params=_compiler_params(
+          ("parallel",) * 3 + ("arbitrary",) * (len(grid.shape) - 3)),
+      cost_estimate=cost, interpret=_interpret_arg(cfg.interpret), name=name,
+  )(*tables, *inputs)
 
 
 def _segment_rows(seg, padded_len):
@@ -257,14 +348,20 @@ def _column(row):
   return jnp.transpose(jnp.broadcast_to(row, (LANES, row.shape[1])))
 
 
-def _tile_visible(cfg: _Static, offsets_ref, q_block, kv_block, shape, q_axis, q_seg, kv_seg):
+def _tile_visible(cfg: _Static, offsets_ref, step: _Step, shape, q_axis, q_seg, kv_seg):
   """The element mask of one tile; q positions run along ``q_axis`` (0, or 1 when transposed)."""
   block_q, block_kv = shape[q_axis], shape[1 - q_axis]
-  q_local = q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
-  kv_local = kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
+  q_local = step.q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
+  kv_local = step.kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
   ok = masks.visible(offsets_ref[0] + q_local, offsets_ref[1] + kv_local, cfg.spec, q_seg, kv_seg)
   # Padded tail positions see nothing and are seen by nothing (q_len % block_q etc. may be != 0).
   return ok & (q_local < cfg.q_len) & (kv_local < cfg.kv_len)
+
+
+def _when_visited(step: _Step, update):
+  """Skipping rule: compute only visible blocks; mask element-wise only the partial ones."""
+  pl.when(step.visited & step.full)(lambda: update(masked=False))
+  pl.when(step.visited & ~step.full)(lambda: update(masked=True))
 
 
 def _logits(cfg: _Static, a, b):
@@ -277,12 +374,13 @@ def _logits(cfg: _Static, a, b):
   return cfg.softcap * capped, capped
 
 
-def _cost(cfg: _Static, b, h, per_pair_flops, per_pair_exp, nbytes):
+def _cost(cfg: _Static, b, h, per_pair_flops, nbytes):
   """A CostEstimate from the analytic count of visible pairs (ignoring segment ids, not known
   while tracing: an upper bound for packed sequences)."""
   q_off, kv_off = cfg.static_offsets or (0, 0)
   pairs = masks.count_visible(cfg.q_len, cfg.kv_len, cfg.spec, q_off, kv_off) * b * h
-  return pl.CostEstimate(flops=int(pairs * per_pair_flops), transcendentals=int(pairs * per_pair_exp),
+  return pl.CostEstimate(flops=int(pairs * per_pair_flops),
+                         transcendentals=int(pairs * (1 + (cfg.softcap is not None))),
                          bytes_accessed=int(nbytes))
 
 
@@ -294,7 +392,7 @@ def _nbytes(*arrays):
 # Forward
 # ----------------------------------------------------------------------------
 
-def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_kv_steps: int):
+def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Grid):
   if cfg.has_segments:
     q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_seg_scr = refs
   else:
@@ -303,12 +401,9 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_k
   # l_scr [bq, 128]: running sum of exp(logit - m) over those logits (lane-replicated).
   # acc_scr [bq, dv]: running sum of exp(logit - m) * v, rescaled whenever m grows.
   # q_seg_scr [bq, 128]: this q block's segment ids as a column (made once per q block).
-  batch, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  row = (batch if cfg.has_segments else 0) * pl.num_programs(2) + q_block
-  entry = plan_ref[row * num_kv_steps + step]
-  kv_block, full = _decode(entry)
+  step = grid.step(plan_ref, count_ref)
 
-  @pl.when(step == 0)
+  @pl.when(step.first)
   def _init():
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
@@ -320,7 +415,7 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_k
     s, _ = _logits(cfg, q_ref[...], k_ref[...])
     if masked:
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      s = jnp.where(_tile_visible(cfg, offsets_ref, q_block, kv_block, s.shape, 0, *seg), s, -jnp.inf)
+      s = jnp.where(_tile_visible(cfg, offsets_ref, step, s.shape, 0, *seg), s, -jnp.inf)
     # Online softmax: with the new row max m', rescale what was summed under the old max m by
     # exp(m - m') and add this block's exp(s - m'). A row with nothing visible yet keeps
     # m' = -inf; shifting it by 0 instead makes its p and its rescale factor exactly 0, not NaN.
@@ -335,11 +430,9 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_k
         p.astype(v.dtype), v, preferred_element_type=jnp.float32)
     m_scr[...] = m_next
 
-  visited = step < count_ref[row]
-  pl.when(visited & full)(lambda: update(masked=False))
-  pl.when(visited & ~full)(lambda: update(masked=True))
+  _when_visited(step, update)
 
-  @pl.when(step == num_kv_steps - 1)
+  @pl.when(step.last)
   def _finish():
     total = l_scr[...]
     seen = total > 0  # rows that saw no key: output 0, lse -inf
@@ -351,57 +444,29 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_k
 
 def _forward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
   b, h, q_pad, d = q.shape
-  kv_heads, kv_pad, dv = k.shape[1], k.shape[2], v.shape[3]
-  group = h // kv_heads
-  block_q, block_kv = cfg.fwd
-  bm = masks.block_map(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, q_seg, kv_seg,
-                       offsets[0], offsets[1])
-  num_q, num_kv = bm.kv_index.shape[1:]
-  plan, count = _plan(bm.kv_index, bm.full, bm.kv_count)
-
-  def kv_block(bi, qi, si, plan_ref):
-    return plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] >> 1
-
-  def kv_spec(width):  # GQA: query head hi reads kv head hi // group, straight from HBM
-    return pl.BlockSpec((None, None, block_kv, width), lambda bi, hi, qi, si, _, plan_ref, __: (
-        bi, jax.lax.div(hi, group), kv_block(bi, qi, si, plan_ref), 0))
-
-  in_specs = [pl.BlockSpec((None, None, block_q, d), lambda bi, hi, qi, si, *_: (bi, hi, qi, 0)),
-              kv_spec(d), kv_spec(dv)]
-  inputs = [q, k, v]
+  kv_pad, dv = k.shape[2], v.shape[3]
+  grid, plan, count = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
+  block_q = grid.block_q
+  inputs, in_specs = [q, k, v], [grid.q_tile(d), grid.kv_tile(d), grid.kv_tile(dv)]
   scratch = [pltpu.VMEM((block_q, LANES), jnp.float32), pltpu.VMEM((block_q, LANES), jnp.float32),
              pltpu.VMEM((block_q, dv), jnp.float32)]
   if cfg.has_segments:
-    in_specs += [
-        pl.BlockSpec((None, 1, block_q), lambda bi, hi, qi, si, *_: (bi, 0, qi)),
-        pl.BlockSpec((None, 1, block_kv),
-                     lambda bi, hi, qi, si, _, plan_ref, __: (bi, 0, kv_block(bi, qi, si, plan_ref))),
-    ]
     inputs += [_segment_rows(q_seg, q_pad), _segment_rows(kv_seg, kv_pad)]
+    in_specs += grid.segment_rows()
     scratch.append(pltpu.VMEM((block_q, LANES), jnp.int32))
   out_shape = [jax.ShapeDtypeStruct((b, h, q_pad, dv), q.dtype),
                jax.ShapeDtypeStruct((b, h, 1, q_pad), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, None, block_q, dv), lambda bi, hi, qi, si, *_: (bi, hi, qi, 0)),
-               pl.BlockSpec((None, None, 1, block_q), lambda bi, hi, qi, si, *_: (bi, hi, 0, qi))]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(b, h, num_q, num_kv), in_specs=in_specs, out_specs=out_specs,
-      scratch_shapes=scratch)
-  cost = _cost(cfg, b, h, 2 * cfg.head_dim + 2 * cfg.head_dim_v, 1 + (cfg.softcap is not None),
-               _nbytes(q, *out_shape) + _nbytes(k, v) * num_q)
-  return pl.pallas_call(
-      functools.partial(_forward_kernel, cfg=cfg, num_kv_steps=num_kv),
-      grid_spec=grid_spec, out_shape=out_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
-      cost_estimate=cost, interpret=_interpret_arg(cfg.interpret), name="flash_layers_fwd",
-  )(offsets, plan, count, *inputs)
+  cost = _cost(cfg, b, h, 2 * cfg.head_dim + 2 * cfg.head_dim_v,
+               _nbytes(q, *out_shape) + _nbytes(k, v) * grid.shape[2])
+  return _call(_forward_kernel, "flash_layers_fwd", cfg, grid, (offsets, plan, count), inputs,
+               in_specs, out_shape, [grid.q_tile(dv), grid.q_row()], scratch, cost)
 
 
 # ----------------------------------------------------------------------------
 # Backward
 # ----------------------------------------------------------------------------
 
-def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_q_steps: int,
-                group: int):
+def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref,
      dk_scr, dv_scr, kv_seg_scr) = refs
@@ -410,13 +475,9 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_q_ste
   # dk_scr [bk, d], dv_scr [bk, dv]: float32 sums over every (query head of the group, q block)
   # that sees this kv block. kv_seg_scr [bk, 128]: this kv block's segment ids as a column.
   # Tiles are transposed ([kv, q]) so the per-query rows lse and D broadcast along sublanes.
-  batch, kv_block, head_in_group, step = (pl.program_id(0), pl.program_id(2), pl.program_id(3),
-                                          pl.program_id(4))
-  row = (batch if cfg.has_segments else 0) * pl.num_programs(2) + kv_block
-  entry = plan_ref[row * num_q_steps + step]
-  q_block, full = _decode(entry)
+  step = grid.step(plan_ref, count_ref)
 
-  @pl.when((head_in_group == 0) & (step == 0))
+  @pl.when(step.first)
   def _init():
     dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
     dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
@@ -428,8 +489,7 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_q_ste
     s_t, capped = _logits(cfg, k_ref[...], q)  # [bk, bq]
     if masked:
       seg = (q_seg_ref[...], kv_seg_scr[:, :1]) if cfg.has_segments else (None, None)
-      s_t = jnp.where(_tile_visible(cfg, offsets_ref, q_block, kv_block, s_t.shape, 1, *seg),
-                      s_t, -jnp.inf)
+      s_t = jnp.where(_tile_visible(cfg, offsets_ref, step, s_t.shape, 1, *seg), s_t, -jnp.inf)
     # lse is +inf for rows that see no key (set by the wrapper): their p is exactly 0.
     p_t = jnp.exp(s_t - lse_ref[...])
     dv_scr[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
@@ -440,17 +500,15 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_q_ste
       ds_t = ds_t * (1.0 - capped * capped)
     dk_scr[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
-  visited = step < count_ref[row]
-  pl.when(visited & full)(lambda: update(masked=False))
-  pl.when(visited & ~full)(lambda: update(masked=True))
+  _when_visited(step, update)
 
-  @pl.when((head_in_group == group - 1) & (step == num_q_steps - 1))
+  @pl.when(step.last)
   def _finish():
     dk_ref[...] = (dk_scr[...] * cfg.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_kv_steps: int):
+def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
      dq_scr, lse_scr, delta_scr, q_seg_scr) = refs
@@ -458,12 +516,9 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_kv_ste
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, lse_scr, delta_scr = refs
   # dq_scr [bq, d]: float32 sum over the visible kv blocks. lse_scr, delta_scr, q_seg_scr
   # [bq, 128]: this q block's lse, D and segment ids as columns (made once per q block).
-  batch, q_block, step = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  row = (batch if cfg.has_segments else 0) * pl.num_programs(2) + q_block
-  entry = plan_ref[row * num_kv_steps + step]
-  kv_block, full = _decode(entry)
+  step = grid.step(plan_ref, count_ref)
 
-  @pl.when(step == 0)
+  @pl.when(step.first)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
     lse_scr[...] = _column(lse_ref[...])
@@ -476,7 +531,7 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_kv_ste
     s, capped = _logits(cfg, q_ref[...], k)  # [bq, bk]
     if masked:
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      s = jnp.where(_tile_visible(cfg, offsets_ref, q_block, kv_block, s.shape, 0, *seg), s, -jnp.inf)
+      s = jnp.where(_tile_visible(cfg, offsets_ref, step, s.shape, 0, *seg), s, -jnp.inf)
     p = jnp.exp(s - lse_scr[:, :1])
     dp = jax.lax.dot_general(do, v_ref[...], (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
@@ -485,102 +540,46 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, num_kv_ste
       ds = ds * (1.0 - capped * capped)
     dq_scr[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
-  visited = step < count_ref[row]
-  pl.when(visited & full)(lambda: update(masked=False))
-  pl.when(visited & ~full)(lambda: update(masked=True))
+  _when_visited(step, update)
 
-  @pl.when(step == num_kv_steps - 1)
+  @pl.when(step.last)
   def _finish():
     dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
 
 
 def _backward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
   b, h, q_pad, d = q.shape
-  kv_heads, kv_pad, dv = k.shape[1], k.shape[2], v.shape[3]
-  group = h // kv_heads
-  block_q, block_kv = cfg.bwd
-  bm = masks.block_map(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, q_seg, kv_seg,
-                       offsets[0], offsets[1])
-  num_q, num_kv = bm.kv_index.shape[1:]
+  kv_pad, dv = k.shape[2], v.shape[3]
   seg_inputs = []
   if cfg.has_segments:
     seg_inputs = [_segment_rows(q_seg, q_pad), _segment_rows(kv_seg, kv_pad)]
-  semantics = _compiler_params(("parallel", "parallel", "parallel", "arbitrary"))
   vmem = functools.partial(pltpu.VMEM, dtype=jnp.float32)
 
-  # dK, dV: grid (batch, kv heads, kv blocks, heads of the group, q steps).
-  plan_t, count_t = _plan(bm.q_index, jnp.swapaxes(bm.full, 1, 2), bm.q_count)
+  def specs(grid: _Grid):  # q, k, v, dO, lse, D, [segment ids]
+    return [grid.q_tile(d), grid.kv_tile(d), grid.kv_tile(dv), grid.q_tile(dv), grid.q_row(),
+            grid.q_row(), *(grid.segment_rows() if cfg.has_segments else [])]
 
-  def q_block(bi, ki, si, plan_ref):
-    return plan_ref[((bi if cfg.has_segments else 0) * num_kv + ki) * num_q + si] >> 1
-
-  def per_query(block, dim):  # tiles of arrays indexed by query head and q position
-    return pl.BlockSpec(block, lambda bi, kh, ki, gi, si, _, plan_ref, __: (
-        bi, kh * group + gi, *((0, q_block(bi, ki, si, plan_ref)) if dim == 3 else
-                               (q_block(bi, ki, si, plan_ref), 0))))
-
-  def per_kv(width):
-    return pl.BlockSpec((None, None, block_kv, width), lambda bi, kh, ki, gi, si, *_: (bi, kh, ki, 0))
-
-  in_specs = [per_query((None, None, block_q, d), 2), per_kv(d), per_kv(dv),
-              per_query((None, None, block_q, dv), 2), per_query((None, None, 1, block_q), 3),
-              per_query((None, None, 1, block_q), 3)]
-  scratch = [vmem((block_kv, d)), vmem((block_kv, dv))]
-  if cfg.has_segments:
-    in_specs += [
-        pl.BlockSpec((None, 1, block_q),
-                     lambda bi, kh, ki, gi, si, _, plan_ref, __: (bi, 0, q_block(bi, ki, si, plan_ref))),
-        pl.BlockSpec((None, 1, block_kv), lambda bi, kh, ki, gi, si, *_: (bi, 0, ki))]
-    scratch.append(pltpu.VMEM((block_kv, LANES), jnp.int32))
+  inputs = [q, k, v, do, lse, delta, *seg_inputs]
+  grid, plan, count = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=True)
+  block_q, block_kv = grid.block_q, grid.block_kv
   dk_dv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(b, kv_heads, num_kv, group, num_q), in_specs=in_specs,
-      out_specs=[per_kv(d), per_kv(dv)], scratch_shapes=scratch)
-  dk, dv_ = pl.pallas_call(
-      functools.partial(_dkv_kernel, cfg=cfg, num_q_steps=num_q, group=group),
-      grid_spec=grid_spec, out_shape=dk_dv_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary", "arbitrary")),
-      cost_estimate=_cost(cfg, b, h, 4 * cfg.head_dim + 4 * cfg.head_dim_v,
-                          1 + (cfg.softcap is not None),
-                          _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * num_kv),
-      interpret=_interpret_arg(cfg.interpret), name="flash_layers_bwd_dkv",
-  )(offsets, plan_t, count_t, q, k, v, do, lse, delta, *seg_inputs)
+  dk, dv_ = _call(
+      _dkv_kernel, "flash_layers_bwd_dkv", cfg, grid, (offsets, plan, count), inputs, specs(grid),
+      dk_dv_shape, [grid.kv_tile(d), grid.kv_tile(dv)],
+      [vmem((block_kv, d)), vmem((block_kv, dv)),
+       *([pltpu.VMEM((block_kv, LANES), jnp.int32)] if cfg.has_segments else [])],
+      _cost(cfg, b, h, 4 * cfg.head_dim + 4 * cfg.head_dim_v,
+            _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * grid.shape[2]))
 
-  # dQ: grid (batch, heads, q blocks, kv steps), like the forward.
-  plan, count = _plan(bm.kv_index, bm.full, bm.kv_count)
-
-  def kv_block(bi, qi, si, plan_ref):
-    return plan_ref[((bi if cfg.has_segments else 0) * num_q + qi) * num_kv + si] >> 1
-
-  def kv_spec(width):
-    return pl.BlockSpec((None, None, block_kv, width), lambda bi, hi, qi, si, _, plan_ref, __: (
-        bi, jax.lax.div(hi, group), kv_block(bi, qi, si, plan_ref), 0))
-
-  def q_spec(block, dim):
-    return pl.BlockSpec(block, lambda bi, hi, qi, si, *_: (bi, hi, *((0, qi) if dim == 3 else (qi, 0))))
-
-  in_specs = [q_spec((None, None, block_q, d), 2), kv_spec(d), kv_spec(dv),
-              q_spec((None, None, block_q, dv), 2), q_spec((None, None, 1, block_q), 3),
-              q_spec((None, None, 1, block_q), 3)]
-  scratch = [vmem((block_q, d)), vmem((block_q, LANES)), vmem((block_q, LANES))]
-  if cfg.has_segments:
-    in_specs += [
-        pl.BlockSpec((None, 1, block_q), lambda bi, hi, qi, si, *_: (bi, 0, qi)),
-        pl.BlockSpec((None, 1, block_kv),
-                     lambda bi, hi, qi, si, _, plan_ref, __: (bi, 0, kv_block(bi, qi, si, plan_ref)))]
-    scratch.append(pltpu.VMEM((block_q, LANES), jnp.int32))
+  grid, plan, count = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=3, grid=(b, h, num_q, num_kv), in_specs=in_specs,
-      out_specs=q_spec((None, None, block_q, d), 2), scratch_shapes=scratch)
-  dq = pl.pallas_call(
-      functools.partial(_dq_kernel, cfg=cfg, num_kv_steps=num_kv),
-      grid_spec=grid_spec, out_shape=dq_shape, compiler_params=semantics,
-      cost_estimate=_cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
-                          1 + (cfg.softcap is not None),
-                          _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * num_q),
-      interpret=_interpret_arg(cfg.interpret), name="flash_layers_bwd_dq",
-  )(offsets, plan, count, q, k, v, do, lse, delta, *seg_inputs)
+  dq = _call(
+      _dq_kernel, "flash_layers_bwd_dq", cfg, grid, (offsets, plan, count), inputs, specs(grid),
+      dq_shape, grid.q_tile(d),
+      [vmem((block_q, d)), vmem((block_q, LANES)), vmem((block_q, LANES)),
+       *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
+      _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
+            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * grid.shape[2]))
   return dq, dk, dv_
 
 
