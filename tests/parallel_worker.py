@@ -36,9 +36,11 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
     lack document 2, so its queries see nothing (rows 0, gradients 0).
   window_mqa: a (5, 2) window, one kv head, no causal mask (the contiguous ring layout).
   uneven_gqa: 6 heads on 3 kv heads, so 2 tensor shards' heads straddle kv groups.
+  explicit_mqa: causal_packed_gqa with one kv head, on a mesh with Explicit axis types.
   """
   rng = np.random.default_rng(seed)
-  heads, kv_heads = {"causal_packed_gqa": (4, 2), "window_mqa": (4, 1), "uneven_gqa": (6, 3)}[case]
+  heads, kv_heads = {"causal_packed_gqa": (4, 2), "window_mqa": (4, 1), "uneven_gqa": (6, 3),
+                     "explicit_mqa": (4, 1)}[case]
   q = rng.standard_normal((batch, length, heads, head_dim))
   k = rng.standard_normal((batch, length, kv_heads, head_dim))
   v = rng.standard_normal((batch, length, kv_heads, head_dim))
@@ -82,7 +84,15 @@ def relative_errors(actual, expected) -> dict[str, float]:
 
 
 CASES = {"causal_packed_gqa": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
-         "uneven_gqa": ((4, 1, 2, 1),)}
+         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),)}
+
+
+def make_mesh(case, shape):
+  if case != "explicit_mqa":
+    return parallel.make_mesh(*shape)
+  # jax.make_mesh's default axis types are Explicit (jax >= 0.7): shard_map then needs inputs
+  # already sharded as its in_specs.
+  return jax.make_mesh(shape, parallel.AXES, axis_types=(jax.sharding.AxisType.Explicit,) * 4)
 
 
 def check_meshes(impls):
@@ -92,7 +102,7 @@ def check_meshes(impls):
       q, k, v, kwargs = problem(case)
       expected = value_and_grads(impl, None, kwargs)(q, k, v, arrays_of(kwargs))
       for shape in meshes:
-        mesh = parallel.make_mesh(*shape)
+        mesh = make_mesh(case, shape)
         try:
           actual = value_and_grads(impl, mesh, kwargs)(q, k, v, arrays_of(kwargs))
           emit(check="mesh", impl=impl, case=case, mesh=list(shape),

@@ -22,6 +22,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flash_layers import platform as platform_lib
@@ -159,4 +160,15 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
     operands += (args.q_segment_ids, args.kv_segment_ids)
     in_specs += (seg_spec, seg_spec)
   out_specs = (heads_spec, P(batch, tensor, sequence))
+  operands = _match_explicit_axes(plan, operands, in_specs)
   return _shard_map(local_call, plan, in_specs, out_specs)(*operands)
+
+
+def _match_explicit_axes(plan: Plan, operands, in_specs):
+  """On a mesh with Explicit axes (jax.make_mesh's default) shard_map wants inputs whose sharding
+  type already is its in_specs; Auto axes are resharded by shard_map itself."""
+  types = getattr(plan.mesh, "axis_types", None) or ()
+  if not any("explicit" in str(t).lower() for t in types):
+    return operands
+  reshard = getattr(jax.sharding, "reshard", None) or jax.reshard
+  return tuple(reshard(x, NamedSharding(plan.mesh, spec)) for x, spec in zip(operands, in_specs, strict=True))
