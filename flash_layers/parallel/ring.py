@@ -35,6 +35,7 @@ its own out_r/lse_r, so each visited step re-runs its forward once).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -178,8 +179,7 @@ def _ring(config: RingConfig):
           qs, ks = q_seg[a], kv_seg[c]
           part = jax.lax.cond(
               _pair_visible(config, q_offs[a], kv_offs[c], qs, ks),
-              lambda q_, k_, v_, qs_, ks_, qo, ko: _attend_pair(config, q_, k_, v_, qs_, ks_, qo, ko),
-              empty, q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
+              functools.partial(_attend_pair, config), empty, q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
           out_acc[a], lse_acc[a] = _merge(out_acc[a], lse_acc[a], *part)
       return out_acc, lse_acc
 
