@@ -248,6 +248,9 @@ class Trainer:
   # -- the loop ---------------------------------------------------------------
 
   def run(self) -> dict:
+    if jax.process_index() == 0:  # label id -> name, for reading predictions and confusion matrices
+      with open(os.path.join(self.workdir, "labels.json"), "w", encoding="utf-8") as f:
+        json.dump({"labels": list(self.task.label_names)}, f, indent=1)
     state = self._initial_state()
     with sharding_context(self.mesh):
       return self._train(state)

@@ -6,9 +6,7 @@ the loop and eval only see the `Task` interface (loop.py).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import pathlib
 
 import jax
@@ -170,9 +168,3 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
               seq_len=seq_len)
 
-
-def save_labels(workdir: str, label_names) -> None:
-  if jax.process_index() == 0:
-    os.makedirs(workdir, exist_ok=True)
-    with open(os.path.join(workdir, "labels.json"), "w", encoding="utf-8") as f:
-      json.dump({"labels": list(label_names)}, f, indent=1)
