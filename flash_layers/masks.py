@@ -35,7 +35,7 @@ def normalize_window(window: int | tuple[int, int] | None) -> tuple[int, int] | 
     return None
   if isinstance(window, bool):
     raise TypeError(f"window must be an int or a (left, right) pair of ints; got {window!r}")
-  if isinstance(window, int):
+  if isinstance(window, (int, np.integer)):
     window = (window, window)
   try:
     left, right = window
@@ -43,7 +43,7 @@ def normalize_window(window: int | tuple[int, int] | None) -> tuple[int, int] | 
     raise TypeError(
         f"window must be an int or a (left, right) pair of ints; got {window!r}") from None
   for name, v in (("left", left), ("right", right)):
-    if isinstance(v, bool) or not isinstance(v, int):
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
       raise TypeError(f"window {name} must be a non-negative int; got {v!r} in window={window!r}")
     if v < 0:
       raise ValueError(f"window {name} must be >= 0; got {v} in window={window!r}")
