@@ -112,26 +112,36 @@ def check_meshes(impls):
           emit(check="mesh", impl=impl, case=case, mesh=list(shape), error=f"{type(e).__name__}: {e}")
 
 
-def check_hlo(length=1536, sequence=8):
-  """The compiled ring: collective-permutes, and no buffer holding the whole sequence."""
-  mesh = parallel.make_mesh(sequence=sequence)
+def compile_ring(impl, length, sequence):
+  """Forward+backward of a causal packed ring over the first `sequence` devices, compiled."""
+  mesh = parallel.make_mesh(sequence=sequence, devices=jax.devices()[:sequence])
   q = jax.ShapeDtypeStruct((1, length, 2, 32), jnp.float32)
   seg = jax.ShapeDtypeStruct((1, length), jnp.int32)
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
-  for impl in ("reference", "xla_chunked"):
-    def loss(q, k, v, seg):
-      out = fl.attention(q, k, v, impl=impl, causal=True, segment_ids=seg, mesh=mesh)
-      return jnp.sum(out ** 2)
 
-    step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(sharding,) * 4,
-                   out_shardings=(sharding,) * 3)
-    text = step.lower(q, q, q, seg).compile().as_text()
+  def loss(q, k, v, seg):
+    out = fl.attention(q, k, v, impl=impl, causal=True, segment_ids=seg, mesh=mesh)
+    return jnp.sum(out ** 2)
+
+  step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(sharding,) * 4,
+                 out_shardings=(sharding,) * 3)
+  return step.lower(q, q, q, seg).compile()
+
+
+def check_hlo(length=1536):
+  """The compiled ring: collective-permutes, no buffer holding the whole sequence, and
+  temporary memory per device that halves when the ring doubles (xla_chunked is linear)."""
+  for impl in ("reference", "xla_chunked"):
+    compiled = compile_ring(impl, length, 8)
+    text = compiled.as_text()
     ops = {op: len(re.findall(rf"\b{op}(?:-start)?\(", text))
            for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce")}
     # Any array with a dimension of the full length would be a gathered sequence.
     full = sorted(set(re.findall(rf"\w+\[[0-9,]*\b{length}\b[0-9,]*\]", text)))
-    emit(check="hlo", impl=impl, ops=ops, full_length_shapes=full[:10],
-         local_length=length // sequence)
+    temp = {8: compiled.memory_analysis().temp_size_in_bytes}
+    if impl == "xla_chunked":
+      temp[4] = compile_ring(impl, length, 4).memory_analysis().temp_size_in_bytes
+    emit(check="hlo", impl=impl, ops=ops, full_length_shapes=full[:10], temp_bytes=temp)
 
 
 def check_process(process_id: int, num_processes: int, port: int):
