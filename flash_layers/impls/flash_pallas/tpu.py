@@ -600,14 +600,14 @@ def _flash_fwd(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
 def _flash_bwd(cfg: _Static, residuals, cotangents):
   q, k, v, q_seg, kv_seg, offsets, out, lse = residuals
   d_out, d_lse = cotangents
-  # Rows past q_len may lie in a backward block beyond the forward grid (block sizes differ),
-  # where out and lse were never written: give them lse = +inf and D = 0, so p = 0 there. Rows
-  # that see no key get lse = +inf too (p = exp(s - inf) = 0, never exp(+inf)).
+  # Rows past q_len get a zero cotangent (the wrapper slices them off), but they may lie in a
+  # backward block beyond the forward grid (block sizes differ), where out and lse were never
+  # written: give them lse = +inf and D = 0, so p = 0 there, never NaN. Rows that see no key get
+  # lse = +inf too (p = exp(s - inf) = 0, never exp(+inf)).
   real = (jnp.arange(lse.shape[-1]) < cfg.q_len)[None, None, None, :]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :] - d_lse
   delta = jnp.where(real, delta, 0.0)
   lse = jnp.where(real & (lse > -jnp.inf), lse, jnp.inf)
-  d_out = jnp.where(real[..., 0, :, None], d_out, 0)
   dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out)
   return dq, dk, dv, None, None, None
 
