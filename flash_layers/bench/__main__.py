@@ -57,6 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                       "reports compiled memory and FLOPs; needs libtpu")
   p.add_argument("--summary", action="store_true",
                  help="print impl x length tables per mask, dtype and pass instead of one row per cell")
+  p.add_argument("--targets", action="store_true",
+                 help="also print the issue's targets: memory vs reference, packed-document blocks")
   p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rewritten as rows finish)")
   p.add_argument("--from-json", metavar="PATH", nargs="+",
                  help="run nothing: merge these JSON row lists (a later row replaces an earlier one of "
@@ -103,6 +105,8 @@ def main(argv=None) -> int:
     rows = run(args)
     prefix = "tpu-aot-" if args.tpu_aot else ""
   print(report.summary(rows) if args.summary else report.markdown(rows))
+  if args.targets:
+    print("\n" + report.targets(rows))
   if args.json:
     report.write_json(rows, args.json)
   if args.plots:

@@ -21,7 +21,10 @@ def _blocks(row: dict[str, Any]) -> str:
     return ""
   text = f"{row['blocks_visited']}/{row['blocks_total']}"
   if row.get("blocks_over_ideal"):
-    text += f" ({row['blocks_over_ideal']:.2f}x ideal, {row['blocks_over_lower_bound']:.2f}x dense)"
+    text += f" ({row['blocks_over_ideal']:.2f}x ideal"
+    if row.get("blocks_over_lower_bound"):
+      text += f", {row['blocks_over_lower_bound']:.2f}x dense"
+    text += ")"
   return text
 
 
@@ -129,7 +132,7 @@ def pivot(rows: list[dict[str, Any]], field: str, *, mask: str, dtype: str, pass
     for n in lengths:
       r = by_cell.get((impl, n))
       value = None if r is None else r.get(field)
-      if value:
+      if value is not None:
         cells.append(format(value * scale, spec))
       else:
         cells.append("" if r is None else {"not run": "-", "unsupported": "n/a"}.get(r["status"],
@@ -143,11 +146,53 @@ def summary(rows: list[dict[str, Any]]) -> str:
   parts = []
   for dtype, pass_ in sorted({(r["dtype"], r["pass"]) for r in rows}):
     for mask in dict.fromkeys(r["mask"] for r in rows):
-      parts.append(f"**{mask}, {dtype}, {pass_}: median time (ms)**\n\n"
-                   + pivot(rows, "time_s", mask=mask, dtype=dtype, pass_=pass_, scale=1e3))
+      if any(r.get("time_s") for r in rows):
+        parts.append(f"**{mask}, {dtype}, {pass_}: median time (ms)**\n\n"
+                     + pivot(rows, "time_s", mask=mask, dtype=dtype, pass_=pass_, scale=1e3))
       if any(r.get("cpu_s") for r in rows):
         parts.append(f"**{mask}, {dtype}, {pass_}: median process CPU time (ms)**\n\n"
                      + pivot(rows, "cpu_s", mask=mask, dtype=dtype, pass_=pass_, scale=1e3))
       parts.append(f"**{mask}, {dtype}, {pass_}: compiled temp memory (MiB)**\n\n"
                    + pivot(rows, "temp_bytes", mask=mask, dtype=dtype, pass_=pass_, scale=1 / _MIB))
   return "\n\n".join(parts)
+
+
+def targets(rows: list[dict[str, Any]], impls=("xla_chunked", "flash_pallas")) -> str:
+  """The issue's targets, read off the rows.
+
+  * memory: reference temp / impl temp at the longest length (target >= 50x), and the growth
+    of the impl's temp per doubling of length up to it (2x = linear, 4x = quadratic);
+  * packed documents: flash_pallas blocks visited over the ideal (target <= 1.25x).
+  """
+  cells = {(r["impl"], r["seq_len"], r["mask"], r["dtype"], r["pass"]): r for r in rows}
+  lines = ["| impl | mask | dtype | pass | len | temp MiB | reference temp MiB | reference / impl | "
+           "growth per doubling (2 = linear) |", "|" + "---|" * 9]
+  for (impl, n, mask, dtype, pass_), r in sorted(cells.items()):
+    if impl not in impls or r.get("temp_bytes") is None:
+      continue
+    longest = max(m for (i, m, *rest) in cells if i == impl and tuple(rest) == (mask, dtype, pass_)
+                  and cells[(i, m, *rest)].get("temp_bytes") is not None)
+    if n != longest:
+      continue
+    ref = cells.get(("reference", n, mask, dtype, pass_), {}).get("temp_bytes")
+    shorter = [m for (i, m, *rest), c in cells.items() if i == impl and m < n
+               and tuple(rest) == (mask, dtype, pass_) and c.get("temp_bytes")]
+    growth = None
+    if shorter and r["temp_bytes"]:
+      m = max(shorter)  # growth per doubling from the next shorter compiled length
+      growth = (r["temp_bytes"] / cells[(impl, m, mask, dtype, pass_)]["temp_bytes"]) ** (
+          1 / math.log2(n / m))
+    lines.append("| " + " | ".join([
+        impl, mask, dtype, pass_, str(n), f"{r['temp_bytes'] / _MIB:.1f}",
+        _fmt(ref / _MIB if ref else None, ".0f"),
+        _fmt(ref / r["temp_bytes"] if ref and r["temp_bytes"] else None, ".0f"),
+        _fmt(growth, ".2f")]) + " |")
+  blocks = ["| len | dtype | pass | blocks visited | ideal (tiles with a visible pair) | visited / ideal | "
+            "dense lower bound | visited / lower bound |", "|" + "---|" * 8]
+  for (impl, n, mask, dtype, pass_), r in sorted(cells.items()):
+    if impl == "flash_pallas" and mask == "packed" and pass_ == "fwd" and r.get("blocks_ideal"):
+      blocks.append(f"| {n} | {dtype} | {pass_} | {r['blocks_visited']} | {r['blocks_ideal']} | "
+                    f"{r['blocks_over_ideal']:.2f} | {r.get('blocks_lower_bound', '')} | "
+                    f"{_fmt(r.get('blocks_over_lower_bound'), '.2f')} |")
+  return ("**Memory at the longest compiled length**\n\n" + "\n".join(lines)
+          + "\n\n**flash_pallas blocks on packed documents**\n\n" + "\n".join(blocks))
