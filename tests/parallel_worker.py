@@ -144,6 +144,35 @@ def check_hlo(length=1536):
     emit(check="hlo", impl=impl, ops=ops, full_length_shapes=full[:10], temp_bytes=temp)
 
 
+def check_layer():
+  """fl.MultiHeadAttention with a mesh (given, or current) against the same params unsharded."""
+  import flax.linen as nn
+
+  mesh = parallel.make_mesh(data=2, tensor=2, sequence=2)
+  rng = np.random.default_rng(1)
+  x = jnp.asarray(rng.standard_normal((4, 32, 24)), jnp.float32)
+  seg = jnp.asarray(np.repeat(np.array([[1] * 20 + [2] * 8 + [0] * 4]), 4, axis=0), jnp.int32)
+  fields = dict(num_heads=4, num_kv_heads=2, head_dim=8, impl="xla_chunked", causal=True)
+  params = nn.meta.unbox(fl.MultiHeadAttention(**fields).init(jax.random.key(0), x))
+
+  def value_and_grad(layer):
+    def loss(params, x):
+      out = layer.apply(params, x, segment_ids=seg)
+      return jnp.sum(jnp.sin(out)), out
+    return jax.jit(jax.grad(loss, argnums=(0, 1), has_aux=True))
+
+  expected = value_and_grad(fl.MultiHeadAttention(**fields))(params, x)
+  given = value_and_grad(fl.MultiHeadAttention(**fields, mesh=mesh))(params, x)
+  with jax.set_mesh(mesh):
+    current = value_and_grad(fl.MultiHeadAttention(**fields))(params, x)
+  for name, actual in (("given", given), ("current", current)):
+    # Relative, with a floor of 1: the key bias's gradient is zero up to rounding (softmax
+    # ignores a shift common to all logits of a row).
+    errors = [float(np.max(np.abs(np.asarray(a) - np.asarray(e))) / max(np.max(np.abs(np.asarray(e))), 1.0))
+              for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)]
+    emit(check="layer", mesh=name, max_error=max(errors))
+
+
 def check_process(process_id: int, num_processes: int, port: int):
   """One process of a multi-process job: sharded calls against this process's unsharded result."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -174,7 +203,9 @@ if __name__ == "__main__":
     for check in what.split("+"):
       if check == "hlo":
         check_hlo()
+      elif check == "layer":
+        check_layer()
       elif check == "meshes":
         check_meshes(sys.argv[2].split(","))
       else:
-        raise SystemExit(f"unknown check {check!r}; meshes, hlo (joined by +) or process")
+        raise SystemExit(f"unknown check {check!r}; meshes, hlo, layer (joined by +) or process")

@@ -97,6 +97,13 @@ def test_ring_hlo_permutes_and_never_gathers_the_sequence():
   assert 0 < temp["8"] <= 0.6 * temp["4"], temp
 
 
+def test_flax_layer_shards_over_its_mesh_or_the_current_one():
+  results = {r["mesh"]: r for r in _run(["layer"]) if r["check"] == "layer"}
+  assert set(results) == {"given", "current"}
+  for name, result in results.items():
+    assert result["max_error"] <= F32_TOL, (name, result)  # output and every gradient
+
+
 # ----------------------------------------------------------------------------
 # Two processes x two CPU devices
 # ----------------------------------------------------------------------------
