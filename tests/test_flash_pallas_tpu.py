@@ -143,9 +143,14 @@ def test_short_sequences_shrink_the_tiles():
   assert tpu.block_shape(request, "tpu") == (128, 384)
 
 
-def test_refusals_name_the_feature():
+def test_float16_runs_in_float32_and_dense_masks_are_refused():
   q, k, v = _inputs(t=16, dtype=jnp.float16)
-  with fl.interpret_as("tpu"), pytest.raises(fl.UnsupportedError, match="float16"):
-    fl.attention(q, k, v, impl="flash_pallas")
+  with fl.interpret_as("tpu"):
+    out = fl.attention(q, k, v, impl="flash_pallas", causal=True)
+  assert out.dtype == jnp.float16
+  ref = fl.attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="reference", causal=True)
+  np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-3)
   request, _ = api.prepare(*_inputs(t=16), dense_mask=np.ones((16, 16), bool))
   assert tpu.unsupported(request) == "dense mask"
+  with pytest.raises(fl.UnsupportedError, match="dense mask"):
+    api.resolve("flash_pallas", request, "tpu")

@@ -39,6 +39,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -120,8 +121,8 @@ def tpu_generation() -> str | None:
   Under ``jax.sharding.set_mesh(mesh)`` the abstract mesh names the device kind (also for an
   ahead-of-time compile onto topology devices); otherwise the default device, if it is a TPU.
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  device = getattr(mesh, "abstract_device", None)
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  device = getattr(get_mesh(), "abstract_device", None) if get_mesh else None
   if device is None:
     device = jax.devices()[0]
     if device.platform != "tpu":
@@ -154,10 +155,8 @@ def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
 # ----------------------------------------------------------------------------
 
 def unsupported(request: Request) -> str | None:
-  if request.has_dense_mask:
+  if request.has_dense_mask:  # blocks are skipped by the mask spec; an arbitrary array has none
     return "dense mask"
-  if request.dtype not in ("float32", "bfloat16"):
-    return f"dtype {request.dtype} (TPU kernels take float32 or bfloat16)"
   return None
 
 
@@ -186,8 +185,13 @@ class _Static:
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv], lse [b, h, q] float32) by the Mosaic kernels."""
   fwd, bwd = _blocks(request)
-  offsets_static = None
-  if not any(isinstance(o, jax.core.Tracer) for o in (args.q_offset, args.kv_offset)):
+  if q.dtype not in (jnp.float32, jnp.bfloat16):
+    # float16 (or float64): the kernels run in float32, the output returns to the input dtype.
+    out, lse = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
+                               request=request, args=args, interpret=interpret)
+    return out.astype(q.dtype), lse
+  offsets_static = None  # python ints are known while tracing; traced offsets only at run time
+  if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
     offsets_static = (int(args.q_offset), int(args.kv_offset))
   cfg = _Static(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
                 request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
