@@ -154,3 +154,13 @@ def test_float16_runs_in_float32_and_dense_masks_are_refused():
   assert tpu.unsupported(request) == "dense mask"
   with pytest.raises(fl.UnsupportedError, match="dense mask"):
     api.resolve("flash_pallas", request, "tpu")
+
+
+def test_block_plans_larger_than_smem_are_refused():
+  q = jax.ShapeDtypeStruct((1, 262144, 1, 64), jnp.bfloat16)
+  too_big, _ = api.prepare(q, q, q, causal=True)  # 512 x 512 generic tiles: 512^2 plan entries
+  assert "block plan of 262144 tiles" in tpu.unsupported(too_big)
+  assert api.resolve("auto", too_big, "tpu")[0] == "xla_chunked"
+  larger_tiles, _ = api.prepare(q, q, q, causal=True, block_sizes=fl.BlockSizes(1024, 1024))
+  assert tpu.unsupported(larger_tiles) is None
+  assert api.resolve("auto", larger_tiles, "tpu")[0] == "flash_pallas"

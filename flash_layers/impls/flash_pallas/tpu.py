@@ -157,7 +157,22 @@ def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
 def unsupported(request: Request) -> str | None:
   if request.has_dense_mask:  # blocks are skipped by the mask spec; an arbitrary array has none
     return "dense mask"
+  plan = max(_plan_entries(request, blocks) for blocks in _blocks(request))
+  if plan > MAX_PLAN_ENTRIES:
+    return (f"a block plan of {plan} tiles (SMEM holds {MAX_PLAN_ENTRIES}; use larger block_sizes, "
+            "shorter rows or ring attention)")
   return None
+
+
+# The block plan is scalar-prefetched into SMEM (1 MiB on v5e: 2^18 int32 words, some taken by
+# Mosaic itself); half of it keeps a margin. 2^17 entries are e.g. 181k tokens at 512 x 512 tiles,
+# or batch 32 x 32k tokens with segment ids.
+MAX_PLAN_ENTRIES = 2**17
+
+
+def _plan_entries(request: Request, blocks: tuple[int, int]) -> int:
+  rows = request.batch if request.has_segment_ids else 1
+  return rows * -(-request.q_len // blocks[0]) * -(-request.kv_len // blocks[1])
 
 
 def block_shape(request: Request, platform: str) -> tuple[int, int]:
