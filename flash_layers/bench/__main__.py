@@ -86,13 +86,15 @@ def config_from(args: argparse.Namespace) -> harness.Config:
 
 
 def merge(paths: list[str]) -> list[dict]:
-  """Rows of several JSON files; a later row of the same cell (and target) replaces an earlier one."""
+  """Rows of several JSON files, one per cell (and target): a later row replaces an earlier one,
+  except that a measured ("ok") row is not replaced by one that did not run."""
   cells: dict[tuple, dict] = {}
   for path in paths:
     with open(path) as f:
       for row in json.load(f):
         key = tuple(row.get(k) for k in ("impl", "seq_len", "mask", "dtype", "pass", "target"))
-        cells[key] = row
+        if not (cells.get(key, {}).get("status") == "ok" and row["status"] != "ok"):
+          cells[key] = row
   return list(cells.values())
 
 
