@@ -145,10 +145,13 @@ class PreemptionWatch:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
 
-  def should_stop(self) -> bool:
+  def should_stop(self, at_boundary: bool) -> bool:
     if jax.process_count() == 1:
       return self.requested
-    # Every process must stop at the same step: stop if any of them was signalled.
+    # Every process must stop at the same step: stop if any of them was signalled. Asking the
+    # others is a collective that waits for the queued steps, so it is done at log/save boundaries.
+    if not at_boundary:
+      return False
     flags = multihost_utils.process_allgather(np.array([self.requested], np.int32))
     return bool(np.max(flags))
 
@@ -292,7 +295,7 @@ class Trainer:
           last_step = done == train.num_steps
           save_now = done % config.checkpoint.every_steps == 0 or last_step
           eval_now = train.eval_every and done % train.eval_every == 0 and not last_step
-          stop = preemption.should_stop()
+          stop = preemption.should_stop(at_boundary=done % train.log_every == 0 or save_now or eval_now)
           # A window is checked for NaN/Inf before anything is saved from it.
           if done % train.log_every == 0 or save_now or eval_now or stop or last_step:
             self._flush(window, done, window_start, flops_per_step, writer, progress)

@@ -23,7 +23,8 @@ from flash_layers.training.state import TrainState
 LogitsFn = Callable[..., jax.Array]
 
 
-def _loss_sums(logits, labels, num_labels: int, label_smoothing: float):
+def _loss_sums(logits, labels, segment_ids, num_labels: int, label_smoothing: float):
+  """Sums over the batch (not means), so micro-batches and shards add up exactly."""
   weights = (labels >= 0).astype(jnp.float32)
   safe = jnp.maximum(labels, 0)
   targets = optax.smooth_labels(jax.nn.one_hot(safe, num_labels), label_smoothing) if label_smoothing \
@@ -33,7 +34,7 @@ def _loss_sums(logits, labels, num_labels: int, label_smoothing: float):
   return {
     "loss_sum": jnp.sum(losses * weights),
     "count": jnp.sum(weights),
-    "tokens": None,  # filled by the caller, which has the segment ids
+    "tokens": jnp.sum(segment_ids > 0),  # real (non-padding) tokens, for throughput
     "confusion": metrics_lib.confusion_matrix(predictions, labels, weights, num_labels),
   }
 
@@ -53,8 +54,7 @@ def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, sched
 
   def micro_loss(params, batch, rng):
     logits = logits_fn(params, batch, train=True, rng=rng)
-    sums = _loss_sums(logits, batch["labels"], num_labels, label_smoothing)
-    sums["tokens"] = jnp.sum(batch["segment_ids"] > 0)
+    sums = _loss_sums(logits, batch["labels"], batch["segment_ids"], num_labels, label_smoothing)
     return sums["loss_sum"], sums
 
   grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -94,8 +94,7 @@ def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, sched
 def make_eval_step(logits_fn: LogitsFn, *, num_labels: int):
   def eval_step(params, batch: dict):
     logits = logits_fn(params, batch, train=False, rng=None)
-    sums = _loss_sums(logits, batch["labels"], num_labels, 0.0)
-    sums["tokens"] = jnp.sum(batch["segment_ids"] > 0)
+    sums = _loss_sums(logits, batch["labels"], batch["segment_ids"], num_labels, 0.0)
     sums["probabilities"] = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
     return sums
   return eval_step
