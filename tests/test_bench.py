@@ -8,7 +8,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers.bench import __main__ as bench_main
-from flash_layers.bench import cases, harness
+from flash_layers.bench import cases, harness, report
 
 REQUIRED = {"impl", "seq_len", "mask", "dtype", "pass", "status"}
 STATUSES = {"ok", "unsupported", "not run", "oom", "error"}
@@ -73,14 +73,15 @@ def test_quick_grid_writes_every_cell_json_and_plots(tmp_path, capsys):
       # An exact-or-conservative block map visits every tile holding a visible pair.
       assert r["blocks_total"] >= r["blocks_visited"] >= r["blocks_ideal"] >= r["blocks_lower_bound"] > 0
     if r["status"] == "ok":
-      assert r["time_s"] > 0 and r["runs"] >= 1 and r["temp_bytes"] >= 0
+      assert r["time_s"] > 0 and r["cpu_s"] >= 0 and r["runs"] >= 1 and r["temp_bytes"] >= 0
       assert r["gflops_per_s"] == pytest.approx(r["flops"] / r["time_s"] / 1e9)
   # The dense impls serve every mask kind here; they must have run.
   for r in rows:
     if r["impl"] in ("reference", "xla_native"):
       assert r["status"] == "ok", r
   pngs = sorted(os.listdir(plot_dir))
-  assert pngs == sorted(f"{m}-float32-{p}.png" for m in ("time", "memory") for p in ("fwd", "fwd_bwd"))
+  assert pngs == sorted(f"{m}-float32-{p}.png" for m in ("time", "cpu-time", "memory")
+                        for p in ("fwd", "fwd_bwd"))
   assert all((plot_dir / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
 
 
@@ -100,3 +101,28 @@ def test_unsupported_cells_are_reported_not_raised(monkeypatch):
                           passes=("fwd",), shape=cases.Shape(1, 1, 8))
   (row,) = harness.run_grid(config, harness.local_target())
   assert row["status"] == "unsupported" and "everything (test)" in row["reason"]
+
+
+def _row(impl, n, status="ok", temp=None, **extra):
+  return {"impl": impl, "seq_len": n, "mask": "full", "dtype": "float32", "pass": "fwd",
+          "target": "cpu", "status": status, "temp_bytes": temp, **extra}
+
+
+def test_merge_keeps_measured_rows_and_takes_later_ones(tmp_path):
+  first = [_row("reference", 512, time_s=1.0), _row("reference", 1024, "not run")]
+  second = [_row("reference", 512, "not run"), _row("reference", 1024, time_s=2.0)]
+  paths = []
+  for i, rows in enumerate((first, second)):
+    paths.append(str(tmp_path / f"{i}.json"))
+    report.write_json(rows, paths[-1])
+  merged = {r["seq_len"]: r for r in bench_main.merge(paths)}
+  assert merged[512]["time_s"] == 1.0 and merged[1024]["time_s"] == 2.0
+
+
+def test_targets_reads_memory_ratio_and_growth():
+  mib = 2 ** 20
+  rows = [_row("xla_chunked", 1024, temp=10 * mib), _row("xla_chunked", 4096, temp=40 * mib),
+          _row("reference", 4096, temp=4000 * mib)]
+  line = next(x for x in report.targets(rows).splitlines() if x.startswith("| xla_chunked"))
+  cells = [c.strip() for c in line.strip("|").split("|")]
+  assert cells[4:] == ["4096", "40.0", "4000", "100", "2.00"]  # 4x over two doublings: linear

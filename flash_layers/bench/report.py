@@ -58,9 +58,9 @@ def write_json(rows: list[dict[str, Any]], path: str) -> None:
 
 
 def plot(rows: list[dict[str, Any]], out_dir: str, *, prefix: str = "") -> list[str]:
-  """Per (dtype, pass): time and memory against length, log-log, one subplot per mask, one line per impl.
+  """Per (dtype, pass): wall time, CPU time, memory vs length, log-log; a subplot per mask, a line per impl.
 
-  Returns the PNG paths written. Memory is plotted for every compiled cell, time only for run cells.
+  Returns the PNG paths written. Memory is plotted for every compiled cell, times only for run cells.
   """
   import matplotlib
 
@@ -72,7 +72,8 @@ def plot(rows: list[dict[str, Any]], out_dir: str, *, prefix: str = "") -> list[
   groups = sorted({(r["dtype"], r["pass"]) for r in rows})
   masks = list(dict.fromkeys(r["mask"] for r in rows))
   impls = list(dict.fromkeys(r["impl"] for r in rows))
-  metrics = (("time", "time_s", "median time (s)"), ("memory", "temp_bytes", "compiled temp memory (MiB)"))
+  metrics = (("time", "time_s", "median wall time (s)"), ("cpu-time", "cpu_s", "median CPU time (s)"),
+             ("memory", "temp_bytes", "compiled temp memory (MiB)"))
   for dtype, pass_ in groups:
     for name, field, label in metrics:
       fig, axes = plt.subplots(1, len(masks), figsize=(3.2 * len(masks), 2.8), squeeze=False,
