@@ -11,6 +11,7 @@ Plans, errors, explain() and the rules table are checked here, on abstract meshe
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
@@ -275,3 +276,29 @@ def test_one_device_mesh_runs_unsharded():
   mesh = parallel.make_mesh()
   np.testing.assert_array_equal(fl.attention(q, k, v, impl="reference", causal=True, mesh=mesh),
                                 fl.attention(q, k, v, impl="reference", causal=True))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_gives_every_ring_device_equal_causal_work(n):
+  """Visible (query chunk, kv chunk) pairs a device computes over the whole ring, by the ring's own
+  skip test: zig-zag, 2n+1 each (of the n(2n+1) causal chunk pairs); contiguous, i+1 for device i."""
+  from flash_layers import api
+  from flash_layers.parallel import ring
+
+  q = jax.ShapeDtypeStruct((1, 16 * 2 * n, 1, 8), jnp.float32)
+  request, _ = api.prepare(q, q, q, causal=True)
+
+  def work(chunks):
+    local = dataclasses.replace(request, q_len=16 * 2 // chunks, kv_len=16 * 2 // chunks)
+    config = ring.RingConfig("reference", local, "sequence", n, chunks)
+    per_device = []
+    for me in range(n):
+      q_offs = ring._offsets(me, config, local.q_len)
+      per_device.append(sum(
+          bool(ring._pair_visible(config, q_off, kv_off, None, None))
+          for step in range(n) for q_off in q_offs
+          for kv_off in ring._offsets((me - step) % n, config, local.kv_len)))
+    return per_device
+
+  assert work(chunks=2) == [2 * n + 1] * n
+  assert work(chunks=1) == [i + 1 for i in range(n)]
