@@ -112,6 +112,17 @@ def check_meshes(impls):
           emit(check="mesh", impl=impl, case=case, mesh=list(shape), error=f"{type(e).__name__}: {e}")
 
 
+def check_gpu_kernels(shape=(1, 1, 2, 4)):
+  """The ring with flash_pallas's GPU (Triton) kernels, interpreted, on one mesh."""
+  q, k, v, kwargs = problem("causal_packed_gqa")
+  with fl.interpret_as("gpu"):
+    expected = value_and_grads("flash_pallas", None, kwargs)(q, k, v, arrays_of(kwargs))
+    mesh = parallel.make_mesh(*shape)
+    actual = value_and_grads("flash_pallas", mesh, kwargs)(q, k, v, arrays_of(kwargs))
+    explain = str(fl.explain(q, k, v, impl="flash_pallas", mesh=mesh, **kwargs))
+  emit(check="gpu", mesh=list(shape), errors=relative_errors(actual, expected), explain=explain)
+
+
 def compile_ring(impl, length, sequence):
   """Forward+backward of a causal packed ring over the first `sequence` devices, compiled."""
   mesh = parallel.make_mesh(sequence=sequence, devices=jax.devices()[:sequence])
@@ -205,7 +216,9 @@ if __name__ == "__main__":
         check_hlo()
       elif check == "layer":
         check_layer()
+      elif check == "gpu":
+        check_gpu_kernels()
       elif check == "meshes":
         check_meshes(sys.argv[2].split(","))
       else:
-        raise SystemExit(f"unknown check {check!r}; meshes, hlo, layer (joined by +) or process")
+        raise SystemExit(f"unknown check {check!r}; meshes, hlo, layer, gpu (joined by +) or process")

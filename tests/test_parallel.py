@@ -2,7 +2,8 @@
 
 Multi-device checks run in subprocesses (tests/parallel_worker.py) with 8 simulated
 CPU devices, so this process -- and the rest of the suite -- keeps one device:
-* one process per impl runs its (case, mesh) forward+gradient checks, one the HLO check;
+* one process per impl runs its (case, mesh) forward+gradient checks; others check the compiled
+  ring (HLO, memory), the Flax layer, and the ring with the GPU kernels interpreted;
 * a 2-process x 2-device job on localhost (gloo collectives) runs sharded calls,
   incl. a ring over all 4 devices;
 * an ahead-of-time compile of ring-sharded flash_pallas for a v5p:2x2x2 slice (libtpu).
@@ -96,6 +97,12 @@ def test_ring_hlo_permutes_and_never_gathers_the_sequence():
   # Memory per device is O(length / ring size): a ring of 8 needs about half of a ring of 4.
   temp = next(r for r in results if r["impl"] == "xla_chunked")["temp_bytes"]
   assert 0 < temp["8"] <= 0.6 * temp["4"], temp
+
+
+def test_ring_with_gpu_kernels_interpreted():
+  (result,) = [r for r in _run(["gpu"]) if r["check"] == "gpu"]
+  assert "pallas-gpu (interpret)" in result["explain"] and "ring attention" in result["explain"]
+  assert all(err <= F32_TOL for err in result["errors"].values()), result
 
 
 def test_flax_layer_shards_over_its_mesh_or_the_current_one():
