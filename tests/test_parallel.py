@@ -68,7 +68,7 @@ def _run(args, *, devices=8, timeout=600) -> list[dict]:
 @pytest.mark.parametrize("impl", IMPLS)
 def test_sharded_equals_unsharded(impl):
   results = {(r["case"], tuple(r["mesh"])): r for r in _run(["meshes", impl]) if r["check"] == "mesh"}
-  expected = [(case, mesh) for case, meshes in parallel_worker.CASES.items() for mesh in meshes]
+  expected = [(case, mesh) for case, meshes in parallel_worker.cases_for(impl).items() for mesh in meshes]
   assert sorted(results) == sorted(expected)
   failures = []
   for (case, mesh), result in sorted(results.items()):
