@@ -23,7 +23,8 @@ from flash_layers.training.loop import Task
 
 log = logging.getLogger("flash_layers.training")
 
-DEV_CARVE_SEED = 1234  # fixed, so the carved-out dev split is the same for every training seed
+DEV_CARVE_SEED = 1234
+EVAL_SHUFFLE_SEED = 0  # fixed, so the carved-out dev split is the same for every training seed
 
 
 # ----------------------------------------------------------------------------
@@ -97,8 +98,10 @@ def eval_batch_size(config) -> int:
 
 def materialized_eval_batches(records, tokenizer, global_batch: int):
   """This process's eval batches as a list, and how many steps every process must run."""
+  # Shuffled (with a fixed seed): metrics over a whole split do not depend on the order, and a
+  # capped evaluation (config.train.eval_max_batches) then scores a sample of every class.
   batches = list(data_lib.make_batches(records, tokenizer, batch_size=local_batch_size(global_batch),
-                                       shuffle=False, num_epochs=1))
+                                       shuffle=True, seed=EVAL_SHUFFLE_SEED, num_epochs=1))
   count = len(batches)
   if jax.process_count() > 1:
     count = int(np.max(multihost_utils.process_allgather(np.array([count], np.int32))))
@@ -145,7 +148,10 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   train_records = load_split(config, "train")
   tokenizer = make_tokenizer(config)
   label_names = list(train_records.vocab.names)
-  model, pretrained = build_model(config, config.model.num_labels or len(label_names), tokenizer.vocab_size)
+  if config.model.num_labels and config.model.num_labels != len(label_names):
+    raise ValueError(f"config.model.num_labels={config.model.num_labels} but the training data has "
+                     f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
+  model, pretrained = build_model(config, len(label_names), tokenizer.vocab_size)
   seq_len = config.model.max_len
 
   def init_params():
