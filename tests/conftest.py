@@ -7,3 +7,5 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+# pytest -n 2 runs tests in two processes; each may load libtpu for AOT compiles.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
