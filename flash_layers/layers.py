@@ -116,6 +116,50 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids):
 # The Flax layer
 # ----------------------------------------------------------------------------
 
+class _Projection(nn.Module):
+  """`nn.DenseGeneral`'s parameters and maths over the last `num_contract` input axes.
+
+  Not DenseGeneral itself: it initializes a flat 2-D kernel and applies the
+  logical-axis box to it before reshaping, which fails under a mesh with logical
+  rules (a 3-name constraint on a rank-2 value). Here the initializer still sees
+  the flat shape (so fan-in matches DenseGeneral's), but the box is made on the
+  final shape.
+  """
+
+  features: tuple[int, ...]
+  num_contract: int
+  kernel_axes: tuple[str, ...]
+  bias_axes: tuple[str, ...]
+  use_bias: bool
+  dtype: Any
+  param_dtype: Any
+  precision: Any
+  kernel_init: Callable
+  bias_init: Callable
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    contract_shape = x.shape[x.ndim - self.num_contract:]
+    flat = (math.prod(contract_shape), math.prod(self.features))
+
+    def kernel_init(key, shape, dtype):
+      return jnp.reshape(self.kernel_init(key, flat, dtype), shape)
+
+    def bias_init(key, shape, dtype):
+      return jnp.reshape(self.bias_init(key, (flat[1],), dtype), shape)
+
+    kernel = self.param("kernel", nn.with_logical_partitioning(kernel_init, self.kernel_axes),
+                        contract_shape + self.features, self.param_dtype)
+    bias = None
+    if self.use_bias:
+      bias = self.param("bias", nn.with_logical_partitioning(bias_init, self.bias_axes),
+                        self.features, self.param_dtype)
+    x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+    contract = (tuple(range(x.ndim - self.num_contract, x.ndim)), tuple(range(self.num_contract)))
+    y = jax.lax.dot_general(x, kernel, (contract, ((), ())), precision=self.precision)
+    return y if bias is None else y + bias
+
+
 class MultiHeadAttention(nn.Module):
   """Multi-head attention (MHA, GQA, MQA) whose attention is `fl.attention`.
 
@@ -169,12 +213,13 @@ class MultiHeadAttention(nn.Module):
     check_fields(self)
     super().__post_init__()
 
-  def _dense(self, name: str, features, axis, kernel_axes, bias_axes) -> nn.DenseGeneral:
-    return nn.DenseGeneral(
-        features=features, axis=axis, use_bias=self.use_bias, dtype=self.dtype,
-        param_dtype=self.param_dtype, precision=self.precision,
-        kernel_init=nn.with_logical_partitioning(self.kernel_init, kernel_axes),
-        bias_init=nn.with_logical_partitioning(self.bias_init, bias_axes), name=name)
+  def _dense(self, name: str, features, axis, kernel_axes, bias_axes) -> _Projection:
+    return _Projection(
+        features=tuple(features) if isinstance(features, tuple) else (features,),
+        num_contract=len(axis) if isinstance(axis, tuple) else 1, kernel_axes=kernel_axes,
+        bias_axes=bias_axes, use_bias=self.use_bias, dtype=self.dtype,
+        param_dtype=self.param_dtype, precision=self.precision, kernel_init=self.kernel_init,
+        bias_init=self.bias_init, name=name)
 
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,

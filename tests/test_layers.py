@@ -393,3 +393,17 @@ def test_bad_inputs_raise_clear_errors():
     check(inputs(), jnp.ones((BATCH + 1, KV_LEN, EMBED)))
   with pytest.raises(ValueError, match="kv_segment_ids"):
     check(inputs(), inputs(KV_LEN), segment_ids=segments(Q_LEN, 0))
+
+
+def test_layer_under_a_mesh_with_logical_rules():
+  """Params boxed on their final shapes: init and apply work under a mesh and the default rules."""
+  layer = fl.MultiHeadAttention(num_heads=4, num_kv_heads=2, impl="reference")
+  x = jax.random.normal(jax.random.key(0), (2, 16, 32))
+  mesh = fl.make_mesh()
+  with jax.set_mesh(mesh), nn.logical_axis_rules(fl.LOGICAL_RULES):
+    variables = layer.init(jax.random.key(1), x)
+    out = layer.apply(variables, x)
+  expected = layer.apply(variables, x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
+  specs = nn.get_partition_spec(variables)["params"]
+  assert tuple(specs["key"]["kernel"]) == fl.layers.KV_KERNEL_AXES
