@@ -25,7 +25,7 @@ def get_config():
   # (one 512-token sequence costs ~40 GFLOP forward + backward).
   c.train.num_steps = 64
   c.train.batch_size = 8
-  c.train.learning_rate = 1e-4
+  c.train.learning_rate = 2e-4
   c.train.warmup_steps = 6
   c.train.schedule = "linear"
   c.train.log_every = 4
