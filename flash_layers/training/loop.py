@@ -162,30 +162,12 @@ class PreemptionWatch:
 
 @contextlib.contextmanager
 def sharding_context(mesh: Mesh):
-  """The logical rules for the model's annotations, and the mesh for its attention layers.
-
-  Attention must know the mesh to run in shard_map (Pallas kernels cannot be
-  partitioned by XLA; the ring needs the sequence axis). A global mesh context
-  (jax.set_mesh) would also reach flax's param shape check, where DenseGeneral's
-  reshape of a logically-boxed kernel fails (requests.md). So the mesh is made
-  current only while an attention layer runs -- and not inside its Dense
-  projections -- with a flax method interceptor. Params and batches are placed
-  explicitly; XLA propagates their shardings through the rest of the step.
-  """
-  from flash_layers.layers import MultiHeadAttention
-
-  no_mesh = jax.sharding.AbstractMesh((), ())
-
-  def interceptor(next_fun, args, kwargs, context):
-    if isinstance(context.module, MultiHeadAttention) and context.method_name == "__call__":
-      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        return next_fun(*args, **kwargs)
-    if isinstance(context.module, nn.DenseGeneral):
-      with jax.sharding.use_abstract_mesh(no_mesh):
-        return next_fun(*args, **kwargs)
-    return next_fun(*args, **kwargs)
-
-  with nn.logical_axis_rules(LOGICAL_RULES), nn.intercept_methods(interceptor):
+  """The mesh (for attention's shard_map and the activation constraints) and the logical
+  rules the model's annotations resolve against. Entered outside jit: jax.set_mesh
+  cannot be entered while tracing."""
+  with contextlib.ExitStack() as stack:
+    stack.enter_context(jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh)
+    stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
     yield
 
 
