@@ -161,7 +161,7 @@ def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
             ("xla_native", "CPU: dense XLA attention"),
             ("reference", "CPU: nothing else serves this request")]
   return [("xla_native", f"CPU: kv_len {request.kv_len} < {CPU_CHUNKED_MIN_KV_LEN}, "
-           "dense XLA attention is fastest"),
+           "dense XLA attention while the logits are small"),
           ("xla_chunked", "CPU: xla_native cannot serve it"),
           ("reference", "CPU: nothing else serves this request")]
 
