@@ -2,8 +2,7 @@
 
 Independent references: flax's own MultiHeadDotProductAttention / nnx
 MultiHeadAttention with their default dot-product attention (masks built with
-flax's helpers), loaded with the same weights. Every impl in fl.IMPLS runs; a
-placeholder impl that is "not built yet" is skipped, nothing else is.
+flax's helpers), loaded with the same weights. Every impl in fl.IMPLS runs; none is skipped.
 """
 
 import functools
@@ -24,16 +23,6 @@ from flash_layers import haiku as flh
 IMPLS = fl.IMPLS
 BATCH, Q_LEN, KV_LEN, EMBED, KV_EMBED, HEADS = 2, 12, 9, 32, 24, 4
 TOL = dict(rtol=2e-5, atol=2e-5)
-
-
-def served(fn, *args, **kwargs):
-  """fn(...), skipping only when a placeholder impl says it is not built yet."""
-  try:
-    return fn(*args, **kwargs)
-  except fl.UnsupportedError as err:
-    if "not built yet" in str(err):
-      pytest.skip(str(err))
-    raise
 
 
 def inputs(length=Q_LEN, features=EMBED, seed=0):
@@ -111,7 +100,7 @@ def case_setup(case):
 def test_same_params_same_output_under_every_impl(case, impl):
   """Forward and parameter gradients of one layer agree across impls (vs the reference impl)."""
   layer, params, args, kwargs, value_and_grad, (want, want_grad) = case_setup(case)
-  got, got_grad = served(value_and_grad, params, impl)
+  got, got_grad = value_and_grad(params, impl)
   np.testing.assert_allclose(got, want, **TOL)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, **TOL), got_grad, want_grad)
   out = jax.eval_shape(layer.clone(impl=impl).apply, params, *args, **kwargs)
@@ -161,7 +150,7 @@ def test_layer_matches_flax_mha(impl):
   theirs = jax.eval_shape(flax_mha().init, jax.random.key(1), x, y)
   assert jax.tree.map(jnp.shape, theirs) == jax.tree.map(jnp.shape, params)
 
-  got = served(apply, ours, params, x, y)
+  got = apply(ours, params, x, y)
   np.testing.assert_allclose(got, apply(flax_mha(), params, x, y), **TOL)
   causal_mask = nn.make_causal_mask(jnp.ones((BATCH, Q_LEN)))
   got_causal = apply(ours.clone(causal=True), params, x)
@@ -187,7 +176,7 @@ def test_attention_fn_in_linen_mha(impl):
   adapted = flax_mha(attention_fn=fl.attention_fn(impl=impl))
   ours = fl.MultiHeadAttention(num_heads=HEADS, impl="reference")
   # No mask: every impl serves it.
-  np.testing.assert_allclose(served(apply, adapted, params, x, y), apply(ours, params, x, y), **TOL)
+  np.testing.assert_allclose(apply(adapted, params, x, y), apply(ours, params, x, y), **TOL)
   # A dense causal mask through the adapter == our layer with causal=True.
   mask = nn.make_causal_mask(jnp.ones((BATCH, Q_LEN)))
   expectation = _mask_impl_expectation(impl)
@@ -195,7 +184,7 @@ def test_attention_fn_in_linen_mha(impl):
     with expectation:
       apply(adapted, params, x, mask=mask)
     return
-  got = served(apply, adapted, params, x, mask=mask)
+  got = apply(adapted, params, x, mask=mask)
   np.testing.assert_allclose(got, apply(ours.clone(causal=True), params, x), **TOL)
   # Fixed options apply to every call: a custom scale and causal, with no mask.
   fixed = flax_mha(attention_fn=fl.attention_fn(impl=impl, scale=0.3, causal=True))
@@ -237,7 +226,7 @@ def test_attention_fn_in_nnx_mha(impl):
   own = _nnx_with_weights(params, num_kv_heads=2)  # nnx's own attention: the independent check
   adapted = _nnx_with_weights(params, num_kv_heads=2, attention_fn=fl.attention_fn(impl=impl))
   np.testing.assert_allclose(apply(ours, params, x), nnx_call(own, x), **TOL)
-  np.testing.assert_allclose(served(nnx_call, adapted, x), nnx_call(own, x), **TOL)
+  np.testing.assert_allclose(nnx_call(adapted, x), nnx_call(own, x), **TOL)
   np.testing.assert_allclose(nnx_call(adapted, x, is_causal=True), apply(ours.clone(causal=True), params, x),
                              **TOL)
   mask = nn.make_causal_mask(jnp.ones((BATCH, Q_LEN)))
@@ -292,7 +281,7 @@ def test_flax_and_haiku_layers_agree(impl):
   assert jax.tree.map(jnp.shape, jax.eval_shape(haiku_fn.init, jax.random.key(0), x, y)) == jax.tree.map(
       jnp.shape, haiku_params)
   want = apply(flax_layer, params, x, y, segment_ids=q_seg, kv_segment_ids=kv_seg)
-  np.testing.assert_allclose(served(haiku_fn.apply, haiku_params, x, y), want, **TOL)
+  np.testing.assert_allclose(haiku_fn.apply(haiku_params, x, y), want, **TOL)
 
 
 def test_haiku_init_scale_matches_flax():

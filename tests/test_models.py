@@ -2,7 +2,7 @@
 
 The independent reference is tests/golden/minilm_golden.npz: all-MiniLM-L6-v2 hidden states
 computed once by Hugging Face transformers (PyTorch, CPU) with tests/golden/make_minilm_golden.py.
-Every impl in fl.IMPLS must reproduce them; only a placeholder impl "not built yet" is skipped.
+Every impl in fl.IMPLS must reproduce them; none is skipped.
 """
 
 import json
@@ -19,15 +19,6 @@ from flash_layers import models
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "minilm_golden.npz"
 PAD_TO = 128  # golden batch (5 x 45) padded with segment id 0: the padding must change nothing
-
-
-def served(fn, *args, **kwargs):
-  try:
-    return fn(*args, **kwargs)
-  except fl.UnsupportedError as err:
-    if "not built yet" in str(err):
-      pytest.skip(str(err))
-    raise
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +56,7 @@ def real_tokens(golden):
 def test_minilm_matches_hugging_face(impl, minilm, golden):
   model, params = minilm
   ids, seg = padded(golden)
-  hidden = served(encode, model.clone(impl=impl), params, ids, seg)
+  hidden = encode(model.clone(impl=impl), params, ids, seg)
   assert hidden.shape == (5, PAD_TO, 384)
   mask = real_tokens(golden)
   want = golden["last_hidden_state"][golden["attention_mask"].astype(bool)]
