@@ -20,6 +20,8 @@ import os
 import re
 import sys
 
+from flash_layers.bench import tpu_aot
+
 COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce")
 
 
@@ -27,18 +29,10 @@ def _parse(argv):
   parser = argparse.ArgumentParser(prog="python -m flash_layers.bench.ring_aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--topology", default="v5p:2x2x2", help="TPU slice, e.g. v5p:2x2x2, v5e:4x4")
-  parser.add_argument("--seq-len", type=int, default=32768)
-  parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", type=int, default=8)
-  parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-  parser.add_argument("--head-dim", type=int, default=128)
-  parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  parser.add_argument("--impl", default="flash_pallas")
-  parser.add_argument("--mask", default="causal", choices=("causal", "full", "packed", "causal+packed"),
-                      help="packed: with segment ids (their values are runtime data)")
+  tpu_aot.add_problem_args(parser, heads=8, head_dim=128,
+                           masks=("causal", "full", "packed", "causal+packed"))
   parser.add_argument("--data", type=int, default=1)
   parser.add_argument("--tensor", type=int, default=1)
-  parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
   return parser.parse_args(argv)
 
 

@@ -24,17 +24,23 @@ def _parse(argv):
   parser = argparse.ArgumentParser(prog="python -m flash_layers.bench.tpu_aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--generation", default="v5e", choices=sorted(TOPOLOGIES))
+  add_problem_args(parser, heads=12, head_dim=64, masks=("causal", "full", "packed"))
+  return parser.parse_args(argv)
+
+
+def add_problem_args(parser: argparse.ArgumentParser, *, heads: int, head_dim: int,
+                     masks: tuple[str, ...]) -> None:
+  """The attention problem both AOT commands compile (this one and `ring_aot`)."""
   parser.add_argument("--seq-len", type=int, default=32768)
   parser.add_argument("--batch", type=int, default=1)
-  parser.add_argument("--heads", type=int, default=12)
+  parser.add_argument("--heads", type=int, default=heads)
   parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
-  parser.add_argument("--head-dim", type=int, default=64)
+  parser.add_argument("--head-dim", type=int, default=head_dim)
   parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"))
-  parser.add_argument("--mask", default="causal", choices=("causal", "full", "packed"),
+  parser.add_argument("--mask", default="causal", choices=masks,
                       help="packed: segment ids (values unknown at compile time)")
   parser.add_argument("--impl", default="flash_pallas", help="any of fl.IMPLS, to compare")
   parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-  return parser.parse_args(argv)
 
 
 def compile_step(args) -> dict:
