@@ -7,11 +7,10 @@
 
 from flash_layers.api import Explanation, attention, explain
 from flash_layers.impls import IMPLS, UnsupportedError
-from flash_layers.impls.flash_pallas.gpu import GpuBlockSizes
-from flash_layers.impls.flash_pallas.tpu import BlockSizes
+from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 from flash_layers.layers import MultiHeadAttention, attention_fn
+from flash_layers.lowering import interpret_as
 from flash_layers.parallel import LOGICAL_RULES, make_mesh
-from flash_layers.platform import interpret_as
 
 __all__ = ["IMPLS", "LOGICAL_RULES", "BlockSizes", "Explanation", "GpuBlockSizes", "MultiHeadAttention",
            "UnsupportedError", "attention", "attention_fn", "explain", "interpret_as", "make_mesh"]

@@ -20,7 +20,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
   raise ImportError("flash_layers.haiku needs dm-haiku; install it with "
                     "`pip install flash-layers[haiku]`") from err
 
-from flash_layers import api, layers
+from flash_layers import dispatch, layers
 
 _PROJECTIONS = ("query", "key", "value", "out")
 
@@ -36,7 +36,7 @@ class MultiHeadAttention(hk.Module):
   """
 
   def __init__(self, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-               head_dim_v: int | None = None, out_features: int | None = None, impl: str = api.AUTO,
+               head_dim_v: int | None = None, out_features: int | None = None, impl: str = dispatch.AUTO,
                causal: bool = False, window: int | tuple[int, int] | None = None,
                softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
                dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = True,

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flash_layers import api
+from flash_layers import api, dispatch
 from flash_layers.impls import UnsupportedError
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
@@ -46,7 +46,7 @@ def _check_positive_int(name: str, value, *, optional: bool):
 
 def check_fields(layer) -> None:
   """Validate a layer's fields at construction (everything that does not need the inputs)."""
-  api._check_impl(layer.impl)
+  dispatch.check_impl(layer.impl)
   _check_positive_int("num_heads", layer.num_heads, optional=False)
   for name in ("num_kv_heads", "head_dim", "head_dim_v", "out_features"):
     _check_positive_int(name, getattr(layer, name), optional=True)
@@ -194,7 +194,7 @@ class MultiHeadAttention(nn.Module):
   head_dim: int | None = None
   head_dim_v: int | None = None
   out_features: int | None = None
-  impl: str = api.AUTO
+  impl: str = dispatch.AUTO
   causal: bool = False
   window: int | tuple[int, int] | None = None
   softcap: float | None = None
@@ -268,7 +268,7 @@ def _flatten_batch(query, key, value, mask):
   return batch_shape, flat(query), flat(key), flat(value), mask
 
 
-def attention_fn(impl: str = api.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
+def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
   """An `attention_fn` for `flax.linen.MultiHeadDotProductAttention` / `flax.nnx.MultiHeadAttention`.
 
       layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fl.attention_fn(impl="xla_native"))
@@ -286,7 +286,7 @@ def attention_fn(impl: str = api.AUTO, **fixed_kwargs: Any) -> Callable[..., jax
   not deterministic) and sown attention weights raise UnsupportedError; `precision`
   is ignored (each impl picks its own).
   """
-  api._check_impl(impl)
+  dispatch.check_impl(impl)
   unknown = sorted(set(fixed_kwargs) - set(_FIXED_KWARGS))
   if unknown:
     raise TypeError(f"attention_fn got unknown option(s) {unknown}; allowed: {list(_FIXED_KWARGS)}")
@@ -315,8 +315,8 @@ def attention_fn(impl: str = api.AUTO, **fixed_kwargs: Any) -> Callable[..., jax
       dtype = jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))
     batch_shape, q, k, v, mask = _flatten_batch(query, key, value, mask)
-    request, args = api.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask)
-    out, _ = api.attend(q, k, v, impl=impl, request=request, args=args)
+    request, args = dispatch.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask)
+    out, _ = dispatch.attend(q, k, v, impl=impl, request=request, args=args)
     return out.reshape(batch_shape + out.shape[1:])
 
   return fn

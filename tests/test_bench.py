@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers.bench import __main__ as bench_main
-from flash_layers.bench import cases, harness, report
+from benchmarks import __main__ as bench_main
+from benchmarks import cases, harness, report
 
 REQUIRED = {"impl", "seq_len", "mask", "dtype", "pass", "status"}
 STATUSES = {"ok", "unsupported", "not run", "oom", "error"}

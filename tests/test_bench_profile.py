@@ -1,4 +1,4 @@
-"""Profiler traces name our impls (flash_layers.bench.profile).
+"""Profiler traces name our impls (benchmarks.profile).
 
 A trace also carries the metadata of every program the process compiled before,
 so each check runs in a fresh interpreter: a name found there came from the
@@ -19,7 +19,7 @@ def _names_in_fresh_process(tmp_path, body: str) -> tuple[list[str], set[str]]:
   code = textwrap.dedent("""
       import json, sys
       import jax, jax.numpy as jnp
-      from flash_layers.bench import cases, profile
+      from benchmarks import cases, profile
       OUT = sys.argv[1]
       SMALL = cases.Shape(batch=1, heads=2, head_dim=16)
   """) + textwrap.dedent(body) + textwrap.dedent("""

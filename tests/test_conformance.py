@@ -12,7 +12,7 @@ with padding, windows, softcap, rows that see no key, and a custom scale. Every
 configuration runs for every case in float32 and bfloat16.
 
 Tolerances. float32: the worst error, relative to the float64 magnitude of the
-terms summed (float64_reference), is at most F32_TOL. bfloat16: the impl's error against float64
+terms summed (reference64), is at most F32_TOL. bfloat16: the impl's error against float64
 is at most twice the error of the `reference` impl run in bfloat16 on the same
 inputs, plus BF16_FLOOR (both measured the same way).
 """
@@ -24,7 +24,6 @@ import dataclasses
 import functools
 import zlib
 
-import float64_reference
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -33,6 +32,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
+from flash_layers.testing import reference64
 
 # (impl, interpret platform or None). One line per impl or interpret platform.
 CASES = [
@@ -202,9 +202,9 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
   # Round to the test dtype first, so float64 sees exactly the values the impl sees.
   arrays = tuple(np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in arrays)
   seg = _segment_kwargs(cfg, rng)
-  visible = float64_reference.mask(b, t, s, causal=cfg.causal, window=cfg.window, **seg)[:, None]
+  visible = reference64.mask(b, t, s, causal=cfg.causal, window=cfg.window, **seg)[:, None]
   q, k, v, dout = arrays
-  expected = float64_reference.attention(q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap,
+  expected = reference64.attention(q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap,
                                          dout=dout)
   return Problem(cfg, dtype, seed, arrays, seg, expected)
 
@@ -233,7 +233,7 @@ def run_case(case, problem: Problem) -> dict:
 def relative_errors(actual: dict, expected: dict) -> dict[str, tuple[float, tuple]]:
   """Per tensor: (worst |actual - expected| / its float64 magnitude, index of the worst element).
 
-  The magnitude (see float64_reference) is the size of the terms summed, so an
+  The magnitude (see reference64) is the size of the terms summed, so an
   output that cancels to ~0 is not judged relative to ~0.
   """
   errors = {}

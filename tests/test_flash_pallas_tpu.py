@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import api
+from flash_layers import dispatch
 from flash_layers.impls.flash_pallas import tpu
 
 
@@ -29,8 +29,8 @@ def _inputs(b=1, t=40, s=None, h=4, kvh=2, d=32, dv=None, dtype=jnp.float32, see
 
 def _attend(impl, q, k, v, **kwargs):
   """(out, lse) through the internal entry point that takes position offsets."""
-  request, args = api.prepare(q, k, v, **kwargs)
-  return api.attend(q, k, v, impl=impl, request=request, args=args)
+  request, args = dispatch.prepare(q, k, v, **kwargs)
+  return dispatch.attend(q, k, v, impl=impl, request=request, args=args)
 
 
 def _loss(impl, **kwargs):
@@ -123,8 +123,8 @@ def test_explain_counts_packed_documents_and_causal_blocks():
 
 def test_block_sizes_table_and_validation():
   assert set(tpu.DEFAULT_BLOCK_SIZES) == {"v4", "v5e", "v5p", "v6e"}
-  assert fl.BlockSizes.for_generation("v6e") == tpu.DEFAULT_BLOCK_SIZES["v6e"]
-  assert fl.BlockSizes.for_generation(None) == tpu.GENERIC_BLOCK_SIZES
+  assert tpu.default_block_sizes("v6e") == tpu.DEFAULT_BLOCK_SIZES["v6e"]
+  assert tpu.default_block_sizes(None) == tpu.GENERIC_BLOCK_SIZES
   assert fl.BlockSizes(256, 512).backward == (256, 512)
   with pytest.raises(ValueError, match="block_kv.*multiple of 128"):
     fl.BlockSizes(block_q=128, block_kv=200)
@@ -139,7 +139,7 @@ def test_block_sizes_table_and_validation():
 
 def test_short_sequences_shrink_the_tiles():
   q, k, v = _inputs(t=7, s=300)
-  request, _ = api.prepare(q, k, v, block_sizes=fl.BlockSizes(512, 1024))
+  request, _ = dispatch.prepare(q, k, v, block_sizes=fl.BlockSizes(512, 1024))
   assert tpu.block_shape(request, "tpu") == (128, 384)
 
 
@@ -150,17 +150,17 @@ def test_float16_runs_in_float32_and_dense_masks_are_refused():
   assert out.dtype == jnp.float16
   ref = fl.attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="reference", causal=True)
   np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-3)
-  request, _ = api.prepare(*_inputs(t=16), dense_mask=np.ones((16, 16), bool))
+  request, _ = dispatch.prepare(*_inputs(t=16), dense_mask=np.ones((16, 16), bool))
   assert tpu.unsupported(request) == "dense mask"
   with pytest.raises(fl.UnsupportedError, match="dense mask"):
-    api.resolve("flash_pallas", request, "tpu")
+    dispatch.resolve("flash_pallas", request, "tpu")
 
 
 def test_block_plans_larger_than_smem_are_refused():
   q = jax.ShapeDtypeStruct((1, 262144, 1, 64), jnp.bfloat16)
-  too_big, _ = api.prepare(q, q, q, causal=True)  # 512 x 512 generic tiles: 512^2 plan entries
+  too_big, _ = dispatch.prepare(q, q, q, causal=True)  # 512 x 512 generic tiles: 512^2 plan entries
   assert "block plan of 262144 tiles" in tpu.unsupported(too_big)
-  assert api.resolve("auto", too_big, "tpu")[0] == "xla_chunked"
-  larger_tiles, _ = api.prepare(q, q, q, causal=True, block_sizes=fl.BlockSizes(1024, 1024))
+  assert dispatch.resolve("auto", too_big, "tpu")[0] == "xla_chunked"
+  larger_tiles, _ = dispatch.prepare(q, q, q, causal=True, block_sizes=fl.BlockSizes(1024, 1024))
   assert tpu.unsupported(larger_tiles) is None
-  assert api.resolve("auto", larger_tiles, "tpu")[0] == "flash_pallas"
+  assert dispatch.resolve("auto", larger_tiles, "tpu")[0] == "flash_pallas"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flash_layers.bench import gpu_check
+from benchmarks import gpu_check
 
 
 def test_dry_run_checks_times_and_reports(tmp_path, capsys):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import float64_reference
 import hypothesis
 import hypothesis.strategies as st
 import jax
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 
 from flash_layers import masks
+from flash_layers.testing import reference64
 
 
 def brute_force(q_len, kv_len, block_q, block_kv, dense):
@@ -65,7 +65,7 @@ def check_block_map(p):
   rng = np.random.default_rng(p["seed"])
   q_ids, kv_ids = segments(p, rng)
   spec = masks.MaskSpec(causal=p["causal"], window=p["window"])
-  dense = float64_reference.mask(p["batch"], p["q_len"], p["kv_len"], causal=p["causal"],
+  dense = reference64.mask(p["batch"], p["q_len"], p["kv_len"], causal=p["causal"],
                                  window=p["window"], segment_ids=q_ids, kv_segment_ids=kv_ids,
                                  q_offset=p["q_offset"], kv_offset=p["kv_offset"])
   true_visible, true_full = brute_force(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], dense)

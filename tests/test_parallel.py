@@ -156,7 +156,7 @@ def test_ring_flash_pallas_compiles_for_v5p_slice():
   pytest.importorskip("libtpu")
   length = 12288
   proc = subprocess.run(
-      [sys.executable, "-m", "flash_layers.bench.ring_aot", "--topology", "v5p:2x2x2",
+      [sys.executable, "-m", "benchmarks.ring_aot", "--topology", "v5p:2x2x2",
        "--seq-len", str(length), "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
        "--mask", "causal+packed", "--json"],
       env=dict(_env(1), ALLOW_MULTIPLE_LIBTPU_LOAD="1"), cwd=ROOT, capture_output=True, text=True,
@@ -289,11 +289,11 @@ def test_one_device_mesh_runs_unsharded():
 def test_zigzag_gives_every_ring_device_equal_causal_work(n):
   """Visible (query chunk, kv chunk) pairs a device computes over the whole ring, by the ring's own
   skip test: zig-zag, 2n+1 each (of the n(2n+1) causal chunk pairs); contiguous, i+1 for device i."""
-  from flash_layers import api
+  from flash_layers import dispatch
   from flash_layers.parallel import ring
 
   q = jax.ShapeDtypeStruct((1, 16 * 2 * n, 1, 8), jnp.float32)
-  request, _ = api.prepare(q, q, q, causal=True)
+  request, _ = dispatch.prepare(q, q, q, causal=True)
 
   def work(chunks):
     local = dataclasses.replace(request, q_len=16 * 2 // chunks, kv_len=16 * 2 // chunks)

@@ -3,7 +3,6 @@ dense masks, skipped chunks, and linear memory."""
 
 from __future__ import annotations
 
-import float64_reference
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,8 +10,9 @@ import pytest
 import test_conformance as conformance
 
 import flash_layers as fl
-from flash_layers import api
+from flash_layers import dispatch
 from flash_layers.impls.xla_chunked import XlaChunked, chunk_size
+from flash_layers.testing import reference64
 
 
 def chunked_fwd_bwd(impl: XlaChunked, q, k, v, cotangents, *, offsets=(0, 0), dense_mask=None, **kwargs):
@@ -20,7 +20,7 @@ def chunked_fwd_bwd(impl: XlaChunked, q, k, v, cotangents, *, offsets=(0, 0), de
 
   def run(q, k, v, dout, dlse, q_offset, kv_offset, seg, dense_mask):
     def f(q, k, v):
-      request, args = api.prepare(q, k, v, **seg, **kwargs, dense_mask=dense_mask,
+      request, args = dispatch.prepare(q, k, v, **seg, **kwargs, dense_mask=dense_mask,
                                   q_offset=q_offset, kv_offset=kv_offset)
       return impl.attend(q, k, v, request=request, args=args)
 
@@ -82,8 +82,8 @@ def test_lse_cotangent_and_rows_without_keys():
   q_ids = np.repeat([[1, 2, 3, 7]], [20, 20, 20, 10], axis=1).repeat(2, axis=0).astype(np.int32)
   kv_ids = np.repeat([[1, 2, 3]], [30, 30, 30], axis=1).repeat(2, axis=0).astype(np.int32)
   kwargs = dict(causal=True, segment_ids=q_ids, kv_segment_ids=kv_ids)
-  visible = float64_reference.mask(2, 70, 90, **kwargs)[:, None]
-  expected = float64_reference.attention(q, k, v, visible, softcap=3.0, dout=dout, dlse=dlse)
+  visible = reference64.mask(2, 70, 90, **kwargs)[:, None]
+  expected = reference64.attention(q, k, v, visible, softcap=3.0, dout=dout, dlse=dlse)
   assert not expected["visible_rows"].all()
   actual = chunked_fwd_bwd(XlaChunked(16, 16), *map(jnp.asarray, (q, k, v)),
                            (jnp.asarray(dout), jnp.asarray(dlse)),
@@ -99,8 +99,8 @@ def test_traced_global_offsets(offsets):
   """q_offset / kv_offset are global positions (traced under jit), as the ring passes them."""
   _, (q, k, v, dout, dlse) = random_problem(1)
   kwargs = dict(causal=True, window=(50, 10))
-  visible = float64_reference.mask(2, 70, 90, q_offset=offsets[0], kv_offset=offsets[1], **kwargs)
-  expected = float64_reference.attention(q, k, v, visible[:, None], dout=dout, dlse=dlse)
+  visible = reference64.mask(2, 70, 90, q_offset=offsets[0], kv_offset=offsets[1], **kwargs)
+  expected = reference64.attention(q, k, v, visible[:, None], dout=dout, dlse=dlse)
   actual = chunked_fwd_bwd(XlaChunked(16, 32), *map(jnp.asarray, (q, k, v)),
                            (jnp.asarray(dout), jnp.asarray(dlse)), offsets=offsets, **kwargs)
   assert_close(actual, expected)
@@ -111,8 +111,8 @@ def test_dense_mask(mask_shape):
   """The attention_fn adapter passes flax's dense mask, broadcastable to [b, h, q, kv]."""
   rng, (q, k, v, dout, dlse) = random_problem(2)
   dense = rng.random(mask_shape) < 0.3
-  visible = float64_reference.mask(2, 70, 90, causal=True)[:, None] & dense
-  expected = float64_reference.attention(q, k, v, visible, dout=dout)
+  visible = reference64.mask(2, 70, 90, causal=True)[:, None] & dense
+  expected = reference64.attention(q, k, v, visible, dout=dout)
   actual = chunked_fwd_bwd(XlaChunked(32, 32), *map(jnp.asarray, (q, k, v)),
                            (jnp.asarray(dout), jnp.zeros_like(dlse)), dense_mask=jnp.asarray(dense),
                            causal=True)
@@ -129,8 +129,8 @@ def test_skipped_chunks_are_never_read():
   kv_ids = np.ones((2, 96), np.int32)
   kv_ids[:, 32:64] = 0  # kv chunk 1 of 3 (chunks of 32) belongs to no query's document
   kwargs = dict(segment_ids=q_ids, kv_segment_ids=kv_ids)
-  visible = float64_reference.mask(2, 64, 96, **kwargs)[:, None]
-  expected = float64_reference.attention(q, k, v, visible, dout=dout)
+  visible = reference64.mask(2, 64, 96, **kwargs)[:, None]
+  expected = reference64.attention(q, k, v, visible, dout=dout)
   k[:, 32:64] = np.nan
   v[:, 32:64] = np.nan
   actual = chunked_fwd_bwd(XlaChunked(32, 32), *map(jnp.asarray, (q, k, v)),

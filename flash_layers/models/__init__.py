@@ -6,7 +6,9 @@
     logits = model.apply({"params": params}, input_ids, segment_ids, max_docs=4)  # [batch, 4, 5]
 """
 
+from flash_layers.models import assets, pretrained
 from flash_layers.models.bert import (
+    DTYPES,
     POOLINGS,
     REMAT_POLICIES,
     Bert,
@@ -22,5 +24,6 @@ from flash_layers.models.pretrained import (
     from_pretrained,
 )
 
-__all__ = ["POOLINGS", "POSITION_EXTENSIONS", "REMAT_POLICIES", "Bert", "CheckpointError", "document_mask",
-           "extend_positions", "from_pretrained", "init_params", "param_axes", "positions_from_segments"]
+__all__ = ["DTYPES", "POOLINGS", "POSITION_EXTENSIONS", "REMAT_POLICIES", "Bert", "CheckpointError", "assets",
+           "document_mask", "extend_positions", "from_pretrained", "init_params", "param_axes",
+           "positions_from_segments", "pretrained"]

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from flash_layers.layers import MultiHeadAttention
 
 POOLINGS = ("cls", "mean")
+# Compute dtypes a config may name (parameters stay float32).
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES: dict[str, Callable | None] = {
     "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_saveable,

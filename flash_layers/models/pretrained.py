@@ -23,10 +23,10 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
+from flash_layers.models import assets
 from flash_layers.models.bert import Bert, init_params
 
 POSITION_EXTENSIONS = ("repeat", "interpolate")
-KNOWN_NAMES = ("all-MiniLM-L6-v2", "minilm")
 
 
 class CheckpointError(ValueError):
@@ -34,13 +34,10 @@ class CheckpointError(ValueError):
 
 
 def resolve_path(path: str | pathlib.Path) -> pathlib.Path:
-  if str(path) in KNOWN_NAMES:
-    from flash_layers.data.tokenize import minilm_dir
-    return minilm_dir()
-  path = pathlib.Path(path)
+  path = assets.checkpoint_dir(path)
   if not path.is_dir():
     raise FileNotFoundError(f"path must be a Hugging Face BERT directory (config.json + "
-                            f"model.safetensors) or one of {KNOWN_NAMES}; {path} is not a directory")
+                            f"model.safetensors) or one of {assets.KNOWN_NAMES}; {path} is not a directory")
   return path
 
 

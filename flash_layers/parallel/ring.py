@@ -40,7 +40,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks
+from flash_layers import dispatch, masks
 from flash_layers.impls import Args, Request
 
 
@@ -125,9 +125,8 @@ def _pair_visible(config: RingConfig, q_off, kv_off, q_seg, kv_seg):
 
 
 def _attend_pair(config: RingConfig, q, k, v, q_seg, kv_seg, q_off, kv_off):
-  from flash_layers import api  # api imports this package lazily; avoid the cycle
   args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=q_off, kv_offset=kv_off)
-  return api.attend(q, k, v, impl=config.impl, request=config.request, args=args)
+  return dispatch.attend(q, k, v, impl=config.impl, request=config.request, args=args)
 
 
 def _rotate(tree, config: RingConfig):

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flash_layers import platform as platform_lib
+from flash_layers import dispatch, lowering
 from flash_layers.impls import Args, Request
 from flash_layers.parallel import mesh as mesh_lib
 from flash_layers.parallel import ring
@@ -131,10 +131,8 @@ def _shard_map(f, plan: Plan, in_specs, out_specs):
 
 
 def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args, plan: Plan):
-  """`api.attend`, split over `plan.mesh`; returns the global (out, lse)."""
-  from flash_layers import api  # api imports this package lazily; avoid the cycle
-
-  api.resolve(impl, plan.local, platform_lib.default_platform())  # an explicit impl refuses here
+  """`dispatch.attend`, split over `plan.mesh`; returns the global (out, lse)."""
+  dispatch.resolve(impl, plan.local, lowering.default_platform())  # an explicit impl refuses here
   if plan.kv_gather is not None:
     index = jnp.asarray(plan.kv_gather, jnp.int32)
     key, value = jnp.take(key, index, axis=2), jnp.take(value, index, axis=2)
@@ -149,7 +147,7 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
     q_seg, kv_seg = segments if has_segments else (None, None)
     if plan.sequence == 1:
       local_args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
-      return api.attend(q, k, v, impl=impl, request=plan.local, args=local_args)
+      return dispatch.attend(q, k, v, impl=impl, request=plan.local, args=local_args)
     config = ring.RingConfig(impl=impl, request=plan.local, axis="sequence", size=plan.sequence,
                              chunks=plan.chunks)
     return ring.ring_attention(q, k, v, q_seg, kv_seg, config)

@@ -19,9 +19,9 @@ import ml_collections
 from flash_layers import models
 from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
 from flash_layers.training import config as config_lib
-from flash_layers.training import loop
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import sharding as sharding_lib
 from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
 from flash_layers.training.distributed import setup_logging
@@ -51,7 +51,7 @@ def _abstract_batch(config, mesh, num_labels_slots: int = 1) -> dict:
   example = {"input_ids": jnp.zeros(shape, jnp.int32), "segment_ids": jnp.zeros(shape, jnp.int32),
              "positions": jnp.zeros(shape, jnp.int32),
              "labels": jnp.zeros((shape[0], num_labels_slots), jnp.int32)}
-  shardings = loop.batch_shardings(example, mesh, config.model.max_len)
+  shardings = sharding_lib.batch_shardings(example, mesh, config.model.max_len)
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in example.items()}
 
 
@@ -76,7 +76,7 @@ def dry_run(config: ml_collections.ConfigDict, topology: str) -> dict:
   jitted = jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),
                    donate_argnums=0)
   log.info("compiling the train step for %s (%d chips, mesh %s)...", topology, len(devices), dict(mesh.shape))
-  with loop.sharding_context(mesh):
+  with sharding_lib.sharding_context(mesh):
     compiled = jitted.lower(abstract, batch).compile()
 
   memory = compiled.memory_analysis()

@@ -12,6 +12,10 @@ import os
 import ml_collections
 from ml_collections.config_dict import placeholder
 
+from flash_layers import data as data_lib
+from flash_layers import models
+from flash_layers.impls import IMPLS
+
 
 def default_config() -> ml_collections.ConfigDict:
   """Every field with its default. Optional fields are typed placeholders (None until set),
@@ -142,11 +146,7 @@ def default_config() -> ml_collections.ConfigDict:
 # ----------------------------------------------------------------------------
 
 BUILTIN_DATASETS = ("bbc_news", "listops")
-POOLINGS = ("cls", "mean")
-DTYPES = ("float32", "bfloat16")
 BEST_METRICS = ("accuracy", "macro_f1", "loss")
-POSITION_EXTENSIONS = ("repeat", "interpolate")
-LONG_DOCUMENTS = ("truncate", "windows")
 
 
 def _fail(field: str, message: str):
@@ -174,14 +174,12 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   num_devices: devices the mesh must tile (default: jax.device_count()).
   check_data: False for the TPU dry run, which never reads data.
   """
-  from flash_layers.impls import IMPLS
-
   m, t, d, k = config.model, config.train, config.data, config.checkpoint
   _choice(m.impl, "model.impl", ("auto", *IMPLS))
   _positive_int(config, "model.max_len")
-  _choice(m.pooling, "model.pooling", POOLINGS)
-  _choice(m.dtype, "model.dtype", DTYPES)
-  _choice(m.position_extension, "model.position_extension", POSITION_EXTENSIONS)
+  _choice(m.pooling, "model.pooling", models.POOLINGS)
+  _choice(m.dtype, "model.dtype", tuple(models.DTYPES))
+  _choice(m.position_extension, "model.position_extension", models.POSITION_EXTENSIONS)
   if not 0.0 <= m.dropout_rate < 1.0:
     _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
 
@@ -213,7 +211,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   if check_data and m.pretrained:
     _check_position_table(m)
 
-  _choice(d.long_documents, "data.long_documents", LONG_DOCUMENTS)
+  _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
   _choice(d.eval_split, "data.eval_split", ("dev", "test"))
   if not 0.0 < d.dev_fraction < 1.0:
     _fail("data.dev_fraction", f"must be in (0, 1); got {d.dev_fraction!r}")
@@ -229,10 +227,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 
 
 def _check_position_table(m):
-  from flash_layers.models import pretrained as pretrained_lib
   try:
-    path = pretrained_lib.resolve_path(m.pretrained)
-    table = int(pretrained_lib.read_config(path).get("max_position_embeddings", 512))
+    path = models.pretrained.resolve_path(m.pretrained)
+    table = int(models.pretrained.read_config(path).get("max_position_embeddings", 512))
   except (FileNotFoundError, ImportError, ValueError) as e:
     _fail("model.pretrained", str(e))
   limit = table * m.max_position_extension

@@ -1,4 +1,5 @@
-"""`evaluate_checkpoint(config, workdir, ...)`: score a saved checkpoint, optionally predict a file.
+"""Evaluation: `evaluate` (metrics over batches, used by the loop's dev evals) and
+`evaluate_checkpoint(config, workdir, ...)` (score a saved checkpoint, optionally predict a file).
 
 Writes workdir/eval_metrics.json ({"accuracy", "macro_f1", "loss", "confusion_matrix",
 "labels", "split", "checkpoint_step", ...}) and, with `predict`, one JSON line per
@@ -10,27 +11,64 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Iterator
 
 import jax
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
+from jax.sharding import Mesh
 
 from flash_layers import data as data_lib
 from flash_layers.parallel.mesh import LOGICAL_RULES
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
-from flash_layers.training import loop
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import sharding as sharding_lib
 from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
+from flash_layers.training import task as task_lib
 from flash_layers.training.distributed import log_job_info, setup_logging
 
 log = logging.getLogger("flash_layers.training")
 
 
-def restore_params(config, workdir: str, task: loop.Task, mesh, which: str | int):
+def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, shardings: dict | None,
+             mesh: Mesh, seq_len: int, *, num_labels: int, keep_probabilities: bool = False) -> dict:
+  """Loss, accuracy, macro-F1 and the confusion matrix over `num_batches` batches.
+
+  Every process runs the same number of steps (collectives): a process whose
+  shard is used up feeds copies of its last batch with all labels -1.
+  """
+  loss_sum, count = 0.0, 0.0
+  confusion = np.zeros((num_labels, num_labels), np.int64)
+  probabilities, labels = [], []
+  last = None
+  for _ in range(num_batches):
+    batch = next(batches, None)
+    if batch is None:
+      batch = dict(last)
+      batch["labels"] = np.full_like(np.asarray(last["labels"]), -1)
+    last = batch
+    if shardings is None:
+      shardings = sharding_lib.batch_shardings(batch, mesh, seq_len)
+    out = eval_step(params, sharding_lib.to_global(batch, shardings))
+    loss_sum += float(out["loss_sum"])
+    count += float(out["count"])
+    confusion += np.asarray(out["confusion"], np.int64)
+    if keep_probabilities:
+      probabilities.append(np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True)))
+      labels.append(np.asarray(multihost_utils.process_allgather(batch["labels"], tiled=True)))
+  result = {"loss": loss_sum / max(count, 1.0), "count": int(count), **metrics_lib.summarize(confusion),
+            "confusion_matrix": confusion}
+  if keep_probabilities:
+    result["probabilities"] = np.concatenate(probabilities) if probabilities else np.zeros((0, num_labels))
+    result["labels"] = np.concatenate(labels) if labels else np.zeros((0,), np.int32)
+  return result
+
+
+def restore_params(config, workdir: str, task: task_lib.Task, mesh, which: str | int):
   tx = optimizer_lib.make_optimizer(config.train)
   abstract, _ = state_lib.state_shardings(task.init_params, tx, mesh, LOGICAL_RULES)
   checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
@@ -56,17 +94,16 @@ def _warn_on_config_drift(config, saved: dict):
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, checkpoint: str = "latest",
                         predict: str | None = None, predictions_path: str | None = None,
-                        task: loop.Task | None = None) -> dict:
+                        task: task_lib.Task | None = None) -> dict:
   setup_logging()
   config_lib.validate(config, check_data=task is None)
   log_job_info()
-  mesh = loop.mesh_from_config(config)
+  mesh = sharding_lib.mesh_from_config(config)
   if task is None:
-    from flash_layers.training.task import build_task
-    task = build_task(config, mesh, with_train_data=False)
+    task = task_lib.build_task(config, mesh, with_train_data=False)
   which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
   step, params = restore_params(config, workdir, task, mesh, which)
-  with loop.sharding_context(mesh):
+  with sharding_lib.sharding_context(mesh):
     return _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, predictions_path)
 
 
@@ -74,7 +111,7 @@ def _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, pr
   log.info("evaluating checkpoint step %d (%s) on %s", step, checkpoint, config.data.eval_split)
   eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, num_labels=task.num_labels))
   batches, count = task.eval_batches(config.data.eval_split)
-  result = loop.evaluate(eval_step, params, batches, count, None, mesh, task.seq_len,
+  result = evaluate(eval_step, params, batches, count, None, mesh, task.seq_len,
                          num_labels=task.num_labels)
   report = {
     "split": config.data.eval_split, "checkpoint": checkpoint, "checkpoint_step": step,
@@ -113,13 +150,12 @@ def _read_texts(path: str, text_field: str) -> list[dict]:
   return rows
 
 
-def predict_file(config, task: loop.Task, params, eval_step, mesh, path: str, out_path: str) -> None:
+def predict_file(config, task: task_lib.Task, params, eval_step, mesh, path: str, out_path: str) -> None:
   """One prediction per document of a JSONL file (first max_len tokens of each)."""
-  from flash_layers.training.task import eval_batch_size, make_tokenizer
 
   rows = _read_texts(path, config.data.text_field)
-  tokenizer = data_lib.TextTokenizer(make_tokenizer(config).tokenizer, max_len=config.model.max_len)
-  global_batch = eval_batch_size(config)
+  tokenizer = data_lib.TextTokenizer(task_lib.make_tokenizer(config).tokenizer, max_len=config.model.max_len)
+  global_batch = task_lib.eval_batch_size(config)
   local = global_batch // jax.process_count()
   first = jax.process_index() * local
   probabilities = []
@@ -131,8 +167,8 @@ def predict_file(config, task: loop.Task, params, eval_step, mesh, path: str, ou
     batch = data_lib.pack_rows([[(w[0], -1)] for w in windows], batch_size=local,
                                max_len=config.model.max_len, max_docs=1, pad_id=tokenizer.pad_id)
     if shardings is None:
-      shardings = loop.batch_shardings(batch, mesh, task.seq_len)
-    out = eval_step(params, loop.to_global(batch, shardings))
+      shardings = sharding_lib.batch_shardings(batch, mesh, task.seq_len)
+    out = eval_step(params, sharding_lib.to_global(batch, shardings))
     gathered = np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True))
     probabilities.append(gathered.reshape(global_batch, -1)[:len(chunk)])
   probabilities = np.concatenate(probabilities)

@@ -11,115 +11,36 @@ restored step, so an interrupted run writes exactly what an uninterrupted one do
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import math
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
-from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
+from flash_layers.parallel.mesh import LOGICAL_RULES
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
+from flash_layers.training import evaluate as evaluate_lib
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import sharding as sharding_lib
 from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
+from flash_layers.training import task as task_lib
 from flash_layers.training.distributed import log_job_info, setup_logging
 
 log = logging.getLogger("flash_layers.training")
 
 
-@dataclasses.dataclass
-class Task:
-  """What the loop needs from a model and a dataset (built by task.build_task)."""
-
-  logits_fn: steps_lib.LogitsFn  # (params, batch, *, train, rng) -> logits
-  init_params: Callable[[], Any]  # boxed params (traced only, or jitted with out_shardings)
-  pretrained_params: Any | None  # host arrays replacing the initial params, or None
-  label_names: list
-  train_batches: Iterator[dict]  # endless, this process's rows; has get_state()/set_state()
-  eval_batches: Callable[[str], tuple[Iterator[dict], int]]  # split -> (this process's batches, count)
-  seq_len: int
-
-  @property
-  def num_labels(self) -> int:
-    return len(self.label_names)
-
-
 class NonFiniteLossError(FloatingPointError):
   pass
-
-
-# ----------------------------------------------------------------------------
-# Batches: process-local numpy -> global sharded arrays
-# ----------------------------------------------------------------------------
-
-def batch_shardings(batch: dict, mesh: Mesh, seq_len: int) -> dict:
-  """Rows over (data, fsdp); the token axis over sequence for [batch, seq_len] arrays."""
-  def spec(x):
-    names = ("batch", "length") if x.ndim >= 2 and x.shape[1] == seq_len else ("batch",)
-    names = names + (None,) * (x.ndim - len(names))
-    return NamedSharding(mesh, nn.logical_to_mesh_axes(names, LOGICAL_RULES))
-  return {k: spec(np.asarray(v)) for k, v in batch.items()}
-
-
-def to_global(batch: dict, shardings: dict) -> dict:
-  """Each process contributes its rows; the result is one array over all processes."""
-  out = {}
-  for key, value in batch.items():
-    value = np.asarray(value)
-    global_shape = (value.shape[0] * jax.process_count(), *value.shape[1:])
-    out[key] = jax.make_array_from_process_local_data(shardings[key], value, global_shape)
-  return out
-
-
-# ----------------------------------------------------------------------------
-# Evaluation (also used by eval.py)
-# ----------------------------------------------------------------------------
-
-def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, shardings: dict | None,
-             mesh: Mesh, seq_len: int, *, num_labels: int, keep_probabilities: bool = False) -> dict:
-  """Loss, accuracy, macro-F1 and the confusion matrix over `num_batches` batches.
-
-  Every process runs the same number of steps (collectives): a process whose
-  shard is used up feeds copies of its last batch with all labels -1.
-  """
-  loss_sum, count = 0.0, 0.0
-  confusion = np.zeros((num_labels, num_labels), np.int64)
-  probabilities, labels = [], []
-  last = None
-  for _ in range(num_batches):
-    batch = next(batches, None)
-    if batch is None:
-      batch = dict(last)
-      batch["labels"] = np.full_like(np.asarray(last["labels"]), -1)
-    last = batch
-    if shardings is None:
-      shardings = batch_shardings(batch, mesh, seq_len)
-    out = eval_step(params, to_global(batch, shardings))
-    loss_sum += float(out["loss_sum"])
-    count += float(out["count"])
-    confusion += np.asarray(out["confusion"], np.int64)
-    if keep_probabilities:
-      probabilities.append(np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True)))
-      labels.append(np.asarray(multihost_utils.process_allgather(batch["labels"], tiled=True)))
-  result = {"loss": loss_sum / max(count, 1.0), "count": int(count), **metrics_lib.summarize(confusion),
-            "confusion_matrix": confusion}
-  if keep_probabilities:
-    result["probabilities"] = np.concatenate(probabilities) if probabilities else np.zeros((0, num_labels))
-    result["labels"] = np.concatenate(labels) if labels else np.zeros((0,), np.int32)
-  return result
 
 
 # ----------------------------------------------------------------------------
@@ -160,23 +81,8 @@ class PreemptionWatch:
 # The job
 # ----------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def sharding_context(mesh: Mesh):
-  """The mesh (for attention's shard_map and the activation constraints) and the logical
-  rules the model's annotations resolve against. Entered outside jit: jax.set_mesh
-  cannot be entered while tracing."""
-  with contextlib.ExitStack() as stack:
-    stack.enter_context(jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh)
-    stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
-    yield
-
-
-def mesh_from_config(config: ml_collections.ConfigDict, devices=None) -> Mesh:
-  devices = jax.devices() if devices is None else devices
-  return make_mesh(**config_lib.mesh_shape(config, len(devices)), devices=devices)
-
-
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, task: Task | None = None) -> dict:
+def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
+                       task: task_lib.Task | None = None) -> dict:
   """Train (resuming from workdir if it holds a checkpoint), evaluate, return the final metrics.
 
   `task` overrides the model and data built from the config (for tests and notebooks).
@@ -184,17 +90,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *, task:
   setup_logging()
   config_lib.validate(config, check_data=task is None)
   log_job_info()
-  mesh = mesh_from_config(config)
+  mesh = sharding_lib.mesh_from_config(config)
   log.info("mesh %s", dict(mesh.shape))
   if task is None:
-    from flash_layers.training.task import build_task
-    task = build_task(config, mesh)
+    task = task_lib.build_task(config, mesh)
   os.makedirs(workdir, exist_ok=True)
   return Trainer(config, workdir, mesh, task).run()
 
 
 class Trainer:
-  def __init__(self, config, workdir: str, mesh: Mesh, task: Task):
+  def __init__(self, config, workdir: str, mesh: Mesh, task: task_lib.Task):
     self.config, self.workdir, self.mesh, self.task = config, workdir, mesh, task
     train = config.train
     self.tx = optimizer_lib.make_optimizer(train)
@@ -237,7 +142,7 @@ class Trainer:
       with open(os.path.join(self.workdir, "labels.json"), "w", encoding="utf-8") as f:
         json.dump({"labels": list(self.task.label_names)}, f, indent=1)
     state = self._initial_state()
-    with sharding_context(self.mesh):
+    with sharding_lib.sharding_context(self.mesh):
       return self._train(state)
 
   def _train(self, state) -> dict:
@@ -257,11 +162,11 @@ class Trainer:
         for step in range(start, train.num_steps):
           batch = next(self.task.train_batches)
           if shardings is None:
-            shardings = batch_shardings(batch, self.mesh, self.task.seq_len)
+            shardings = sharding_lib.batch_shardings(batch, self.mesh, self.task.seq_len)
           if config.profile_steps and step == start + config.profile_start:
             jax.profiler.start_trace(os.path.join(self.workdir, "profile"))
             profiling = True
-          global_batch = to_global(batch, shardings)
+          global_batch = sharding_lib.to_global(batch, shardings)
           if compiled is None:
             compiled = self.train_step.lower(state, global_batch).compile()
             flops_per_step = metrics_lib.compiled_flops(compiled)
@@ -341,8 +246,8 @@ class Trainer:
     batches, count = self.task.eval_batches("dev")
     if self.config.train.eval_max_batches:
       count = min(count, self.config.train.eval_max_batches)
-    result = evaluate(self.eval_step, state.params, batches, count, None, self.mesh, self.task.seq_len,
-                      num_labels=self.task.num_labels)
+    result = evaluate_lib.evaluate(self.eval_step, state.params, batches, count, None, self.mesh,
+                                   self.task.seq_len, num_labels=self.task.num_labels)
     values = {k: v for k, v in result.items() if k != "confusion_matrix"}
     writer.write(step, "dev", values)
     log.info("dev @ %d: loss %.4f  accuracy %.4f  macro_f1 %.4f", step, values["loss"], values["accuracy"],

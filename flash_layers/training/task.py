@@ -6,11 +6,13 @@ the loop and eval only see the `Task` interface (loop.py).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import pathlib
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from jax.experimental import multihost_utils
@@ -19,9 +21,26 @@ from jax.sharding import Mesh
 from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import readers
-from flash_layers.training.loop import Task
+from flash_layers.training import steps as steps_lib
 
 log = logging.getLogger("flash_layers.training")
+
+@dataclasses.dataclass
+class Task:
+  """What the loop needs from a model and a dataset (built by build_task)."""
+
+  logits_fn: steps_lib.LogitsFn  # (params, batch, *, train, rng) -> logits
+  init_params: Callable[[], Any]  # boxed params (traced only, or jitted with out_shardings)
+  pretrained_params: Any | None  # host arrays replacing the initial params, or None
+  label_names: list
+  train_batches: Iterator[dict]  # endless, this process's rows; has get_state()/set_state()
+  eval_batches: Callable[[str], tuple[Iterator[dict], int]]  # split -> (this process's batches, count)
+  seq_len: int
+
+  @property
+  def num_labels(self) -> int:
+    return len(self.label_names)
+
 
 DEV_CARVE_SEED = 1234
 EVAL_SHUFFLE_SEED = 0  # fixed, so the carved-out dev split is the same for every training seed
@@ -69,15 +88,9 @@ def tokenizer_path(config: ml_collections.ConfigDict) -> str:
   if config.data.dataset == "listops":
     return "listops"
   if config.model.pretrained:
-    return str(pretrained_dir(config.model.pretrained))
+    return str(models.assets.checkpoint_dir(config.model.pretrained))
   raise ValueError("config.data.tokenizer: needed when training from scratch on text "
                    "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
-
-
-def pretrained_dir(name_or_path: str) -> pathlib.Path:
-  if name_or_path == "minilm":
-    return data_lib.tokenize.minilm_dir()
-  return pathlib.Path(name_or_path)
 
 
 def make_tokenizer(config) -> data_lib.TextTokenizer:
@@ -112,13 +125,12 @@ def materialized_eval_batches(records, tokenizer, global_batch: int):
 # Model
 # ----------------------------------------------------------------------------
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: int | None):
   """(model, pretrained params as host numpy arrays, or None when training from scratch)."""
   m = config.model
-  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=DTYPES[m.dtype],
+  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype],
                 remat=m.remat)
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
@@ -135,7 +147,7 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
 
 
 def make_logits_fn(model: models.Bert):
-  """Called under loop.sharding_context (the mesh and logical rules are set by the caller)."""
+  """Called under sharding.sharding_context (the mesh and logical rules are set by the caller)."""
   def logits_fn(params, batch, *, train: bool, rng):
     rngs = {"dropout": rng} if train else {}
     return model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], batch["positions"],

@@ -21,8 +21,7 @@ import importlib
 
 import jax
 
-from flash_layers import masks
-from flash_layers import platform as platform_lib
+from flash_layers import lowering, masks
 from flash_layers.impls.base import Args, Request
 
 _FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
@@ -35,7 +34,7 @@ def _family(name: str):
 
 def family_for(platform: str) -> tuple[str, bool]:
   """(kernel family, interpreted?) for a lowering platform, honouring interpret_as."""
-  forced = platform_lib.interpreting()
+  forced = lowering.interpreting()
   if forced is not None:
     return forced, True
   if platform == "tpu":
@@ -67,7 +66,7 @@ class FlashPallas:
                              args.kv_segment_ids, args.q_offset, args.kv_offset)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    forced = platform_lib.interpreting()
+    forced = lowering.interpreting()
 
     def run(family: str, interpret: bool):
       return lambda q, k, v: _family(family).flash_attention(

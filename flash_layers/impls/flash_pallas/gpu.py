@@ -53,6 +53,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flash_layers import masks
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes, pad_to, round_up
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -61,47 +62,11 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEAD_DIM = 256
 # CUDA limits grid dimensions y and z to 65535; batch * heads runs on y.
 MAX_GRID_Y = 65535
-# `tl.dot` needs every matmul dimension >= 16.
-MIN_TILE = 16
 
 
 # ----------------------------------------------------------------------------
 # Configuration: one table for every GPU generation we tune for
 # ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class GpuBlockSizes:
-  """Tiles and launch parameters of the GPU kernels (all block sizes powers of two >= 16).
-
-  block_q / block_kv:          forward tile (queries per program, keys per loop step)
-  block_q_bwd / block_kv_bwd:  tile of both backward kernels (dK/dV and dQ)
-  num_warps / num_stages:      forward launch: warps per program, software-pipeline depth
-  num_warps_bwd / num_stages_bwd: the same for the backward kernels
-  """
-
-  block_q: int = 128
-  block_kv: int = 64
-  block_q_bwd: int = 64
-  block_kv_bwd: int = 64
-  num_warps: int = 4
-  num_stages: int = 3
-  num_warps_bwd: int = 4
-  num_stages_bwd: int = 2
-
-  def __post_init__(self):
-    for field in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value < MIN_TILE or value & (value - 1):
-        raise ValueError(f"GpuBlockSizes.{field} must be a power of two >= {MIN_TILE}; got {value!r}")
-    for field in ("num_warps", "num_warps_bwd"):
-      value = getattr(self, field)
-      if value not in (1, 2, 4, 8, 16):
-        raise ValueError(f"GpuBlockSizes.{field} must be one of 1, 2, 4, 8, 16; got {value!r}")
-    for field in ("num_stages", "num_stages_bwd"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"GpuBlockSizes.{field} must be an int >= 1; got {value!r}")
-
 
 # (generation, largest head_dim of the bucket) -> defaults. Starting points from
 # the usual FlashAttention-2 Triton settings, sized to each generation's shared
@@ -148,7 +113,7 @@ def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
   `GpuBlockSizes` replaces the table entry, the TPU family's `BlockSizes` is not
   for us.
   """
-  if block_sizes is None or type(block_sizes).__name__ == "BlockSizes":
+  if block_sizes is None or isinstance(block_sizes, BlockSizes):
     return base
   if isinstance(block_sizes, GpuBlockSizes):
     return block_sizes
@@ -158,7 +123,7 @@ def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
 
 def _fit(block: int, length: int) -> int:
   """Shrink a tile for short sequences (a 7-token call needs no 128-row tile)."""
-  return max(MIN_TILE, min(block, pl.next_power_of_2(length)))
+  return max(MIN_GPU_TILE, min(block, pl.next_power_of_2(length)))
 
 
 def config(request: Request) -> GpuBlockSizes:
@@ -201,7 +166,7 @@ def block_shape(request: Request, platform: str) -> tuple[int, int]:
 # ----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _GpuCall:
   request: Request
   cfg: GpuBlockSizes  # config(request): the tiles actually used
   interpret: bool
@@ -216,19 +181,19 @@ class _Static:
 
   @property
   def q_pad(self) -> int:  # padded q length: a multiple of every q tile
-    return _round_up(self.request.q_len, max(self.cfg.block_q, self.cfg.block_q_bwd))
+    return round_up(self.request.q_len, max(self.cfg.block_q, self.cfg.block_q_bwd))
 
   @property
   def kv_pad(self) -> int:
-    return _round_up(self.request.kv_len, max(self.cfg.block_kv, self.cfg.block_kv_bwd))
+    return round_up(self.request.kv_len, max(self.cfg.block_kv, self.cfg.block_kv_bwd))
 
   @property
   def d_pad(self) -> int:
-    return max(MIN_TILE, pl.next_power_of_2(self.request.head_dim))
+    return max(MIN_GPU_TILE, pl.next_power_of_2(self.request.head_dim))
 
   @property
   def dv_pad(self) -> int:
-    return max(MIN_TILE, pl.next_power_of_2(self.request.head_dim_v))
+    return max(MIN_GPU_TILE, pl.next_power_of_2(self.request.head_dim_v))
 
   @property
   def needs_mask(self) -> bool:
@@ -237,15 +202,11 @@ class _Static:
             or self.request.kv_len != self.kv_pad)
 
 
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
 # ----------------------------------------------------------------------------
 # The tile computation shared by all three kernels
 # ----------------------------------------------------------------------------
 
-def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, full, offsets_ref,
+def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full, offsets_ref,
                  q_seg, kv_seg):
   """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
 
@@ -279,7 +240,7 @@ def _tile_logits(st: _Static, q, k, q_block, kv_block, block_q, block_kv, full, 
   return lax.cond(full != 0, lambda s2: s2, element_mask, s2), tanh_t
 
 
-def _grad_logits(st: _Static, p, dp, delta, tanh_t):
+def _grad_logits(st: _GpuCall, p, dp, delta, tanh_t):
   """dS for one tile: P * (dP - D), through the softcap's tanh when there is one."""
   ds = p * (dp - delta[:, None])
   if tanh_t is not None:
@@ -291,7 +252,7 @@ def _grad_logits(st: _Static, p, dp, delta, tanh_t):
 # Forward kernel
 # ----------------------------------------------------------------------------
 
-def _forward_kernel(st: _Static, *refs):
+def _forward_kernel(st: _GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
   (offsets_ref, kv_index_ref, kv_count_ref, kv_full_ref), refs = refs[:4], refs[4:]
   if st.has_segments:
@@ -336,7 +297,7 @@ def _forward_kernel(st: _Static, *refs):
 # Backward kernels
 # ----------------------------------------------------------------------------
 
-def _dkv_kernel(st: _Static, *refs):
+def _dkv_kernel(st: _GpuCall, *refs):
   """One program: kv block `program_id(0)` of (batch, kv head) `program_id(1)`."""
   (offsets_ref, q_index_ref, q_count_ref, q_full_ref), refs = refs[:4], refs[4:]
   if st.has_segments:
@@ -378,7 +339,7 @@ def _dkv_kernel(st: _Static, *refs):
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
-def _dq_kernel(st: _Static, *refs):
+def _dq_kernel(st: _GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
   (offsets_ref, kv_index_ref, kv_count_ref, kv_full_ref), refs = refs[:4], refs[4:]
   if st.has_segments:
@@ -415,7 +376,7 @@ def _dq_kernel(st: _Static, *refs):
 # pallas_call wrappers (arrays already padded)
 # ----------------------------------------------------------------------------
 
-def _visible_pairs(st: _Static, batch: int) -> int:
+def _visible_pairs(st: _GpuCall, batch: int) -> int:
   """(query, key) pairs the mask leaves visible, over batch and heads, for the cost estimates.
 
   Causal and window are counted exactly (at offset 0; the offsets may be traced),
@@ -425,7 +386,7 @@ def _visible_pairs(st: _Static, batch: int) -> int:
   return batch * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec)
 
 
-def _mask_inputs(st: _Static, bmap: masks.BlockMap, offsets, q_seg, kv_seg, *, by_q: bool,
+def _mask_inputs(st: _GpuCall, bmap: masks.BlockMap, offsets, q_seg, kv_seg, *, by_q: bool,
                  block_q: int, block_kv: int, heads: int):
   """Inputs and BlockSpecs shared by the three kernels: offsets, block lists, segment ids.
 
@@ -453,7 +414,7 @@ def _mask_inputs(st: _Static, bmap: masks.BlockMap, offsets, q_seg, kv_seg, *, b
   return arrays, specs
 
 
-def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets):
+def _forward_call(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets):
   batch = q.shape[0]
   h, g = st.request.num_heads, st.group
   cfg = st.cfg
@@ -484,7 +445,7 @@ def _forward_call(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, off
   )(*arrays, q, k, v)
 
 
-def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets, do, lse2,
+def _backward_calls(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets, do, lse2,
                     delta):
   batch = q.shape[0]
   h, kvh, g = st.request.num_heads, st.request.num_kv_heads, st.group
@@ -549,29 +510,21 @@ def _backward_calls(st: _Static, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, o
 # Padding and the custom VJP
 # ----------------------------------------------------------------------------
 
-def _pad_to(x, axis: int, size: int, value=0):
-  if x.shape[axis] == size:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, widths, constant_values=value)
-
-
-def _pad_inputs(st: _Static, q, k, v, q_seg, kv_seg):
-  q = _pad_to(_pad_to(q, 1, st.q_pad), 3, st.d_pad)
-  k = _pad_to(_pad_to(k, 1, st.kv_pad), 3, st.d_pad)
-  v = _pad_to(_pad_to(v, 1, st.kv_pad), 3, st.dv_pad)
+def _pad_inputs(st: _GpuCall, q, k, v, q_seg, kv_seg):
+  q = pad_to(pad_to(q, 1, st.q_pad), 3, st.d_pad)
+  k = pad_to(pad_to(k, 1, st.kv_pad), 3, st.d_pad)
+  v = pad_to(pad_to(v, 1, st.kv_pad), 3, st.dv_pad)
   if st.has_segments:  # padded keys are masked by position; the ids there do not matter
-    q_seg, kv_seg = _pad_to(q_seg, 1, st.q_pad), _pad_to(kv_seg, 1, st.kv_pad)
+    q_seg, kv_seg = pad_to(q_seg, 1, st.q_pad), pad_to(kv_seg, 1, st.kv_pad)
   return q, k, v, q_seg, kv_seg
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _Static, q, k, v, q_seg, kv_seg, offsets):
+def _flash(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets):
   return _flash_forward(st, q, k, v, q_seg, kv_seg, offsets)[0]
 
 
-def _block_map(st: _Static, block_q: int, block_kv: int, q_seg, kv_seg, offsets) -> masks.BlockMap:
+def _block_map(st: _GpuCall, block_q: int, block_kv: int, q_seg, kv_seg, offsets) -> masks.BlockMap:
   """The shared block map for these tiles (on the unpadded segment ids)."""
   r = st.request
   return masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg, offsets[0], offsets[1])
@@ -594,9 +547,9 @@ def _flash_backward(st, residuals, cotangents):
   # Base-2 lse for the kernels; +inf for rows that see no key (and padded rows), so P = 0 there.
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
   qp, kp, vp, q_seg_p, kv_seg_p = _pad_inputs(st, q, k, v, q_seg, kv_seg)
-  do = _pad_to(_pad_to(d_out.astype(q.dtype), 1, st.q_pad), 3, st.dv_pad)
-  lse2 = _pad_to(lse2, 2, st.q_pad, jnp.inf)
-  delta = _pad_to(delta, 2, st.q_pad)
+  do = pad_to(pad_to(d_out.astype(q.dtype), 1, st.q_pad), 3, st.dv_pad)
+  lse2 = pad_to(lse2, 2, st.q_pad, jnp.inf)
+  delta = pad_to(delta, 2, st.q_pad)
   bmap = _block_map(st, st.cfg.block_q_bwd, st.cfg.block_kv_bwd, q_seg, kv_seg, offsets)
   dq, dk, dv = _backward_calls(st, bmap, qp, kp, vp, q_seg_p, kv_seg_p, offsets, do, lse2, delta)
   r = st.request
@@ -610,6 +563,6 @@ _flash.defvjp(_flash_forward, _flash_backward)
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
-  st = _Static(request, config(request), bool(interpret))
+  st = _GpuCall(request, config(request), bool(interpret))
   offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
   return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)

@@ -43,54 +43,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_layers import masks
-from flash_layers import platform as platform_lib
+from flash_layers import lowering, masks
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.flash_pallas.gpu import GpuBlockSizes
-
-LANES = 128    # vreg minor dimension; the MXU is 128 (v4, v5e, v5p) or 256 (v6e) wide
-
+from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
 
 # ----------------------------------------------------------------------------
 # Block sizes
 # ----------------------------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-  """Tile sizes of the TPU kernels (tokens per block).
-
-  block_q / block_kv tile the forward pass; block_q_bwd / block_kv_bwd tile both backward
-  kernels (default: the forward sizes). Every size must be a positive multiple of 128: a q block
-  is the lane dimension of the saved logsumexp row and of the transposed backward logits, a kv
-  block the lane dimension of the logits. Blocks longer than the (128-rounded) sequence are
-  shrunk to it, so a short sequence never computes a mostly padded tile.
-  """
-
-  block_q: int = 512
-  block_kv: int = 512
-  block_q_bwd: int | None = None
-  block_kv_bwd: int | None = None
-
-  def __post_init__(self):
-    for name in ("block_q", "block_kv", "block_q_bwd", "block_kv_bwd"):
-      value = getattr(self, name)
-      if value is None and name.endswith("_bwd"):
-        continue
-      if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"BlockSizes.{name} must be an int; got {value!r}")
-      if value <= 0 or value % LANES:
-        raise ValueError(f"BlockSizes.{name} must be a positive multiple of {LANES} (TPU lanes); "
-                         f"got {value}")
-
-  @property
-  def backward(self) -> tuple[int, int]:
-    return (self.block_q_bwd or self.block_q, self.block_kv_bwd or self.block_kv)
-
-  @classmethod
-  def for_generation(cls, generation: str | None) -> BlockSizes:
-    """The default sizes for "v4", "v5e", "v5p", "v6e" (None or unknown: a generic default)."""
-    return DEFAULT_BLOCK_SIZES.get(generation, GENERIC_BLOCK_SIZES)
-
 
 # Defaults per TPU generation. Chosen from the hardware, not tuned on it (these machines have no
 # TPU): large enough that each step's MXU work hides the K/V DMA of the next, small enough that
@@ -111,6 +70,11 @@ DEFAULT_BLOCK_SIZES = {
 }
 GENERIC_BLOCK_SIZES = BlockSizes(512, 512, 512, 512)
 
+
+def default_block_sizes(generation: str | None) -> BlockSizes:
+  """The default sizes for "v4", "v5e", "v5p", "v6e" (None or unknown: a generic default)."""
+  return DEFAULT_BLOCK_SIZES.get(generation, GENERIC_BLOCK_SIZES)
+
 _GENERATION_OF_KIND = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
                        "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
 
@@ -130,21 +94,17 @@ def tpu_generation() -> str | None:
   return _GENERATION_OF_KIND.get(device.device_kind)
 
 
-def _round_up(x: int, multiple: int) -> int:
-  return -(-x // multiple) * multiple
-
-
 def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
   """Effective ((block_q, block_kv), (block_q_bwd, block_kv_bwd)) for this request."""
   sizes = request.block_sizes
   # platform_dependent traces every kernel family with the same request: sizes meant for the
   # GPU family (flash_layers.GpuBlockSizes) leave the TPU family on its defaults.
   if sizes is None or isinstance(sizes, GpuBlockSizes):
-    sizes = BlockSizes.for_generation(tpu_generation())
+    sizes = default_block_sizes(tpu_generation())
   elif not isinstance(sizes, BlockSizes):
     raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), flash_layers.GpuBlockSizes "
                     f"(GPU) or None; got {sizes!r}")
-  q_cap, kv_cap = _round_up(request.q_len, LANES), _round_up(request.kv_len, LANES)
+  q_cap, kv_cap = round_up(request.q_len, LANES), round_up(request.kv_len, LANES)
   fwd = (min(sizes.block_q, q_cap), min(sizes.block_kv, kv_cap))
   bwd = (min(sizes.backward[0], q_cap), min(sizes.backward[1], kv_cap))
   return fwd, bwd
@@ -180,7 +140,7 @@ def block_shape(request: Request, platform: str) -> tuple[int, int]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Static:
+class _TpuCall:
   """Everything the kernels need that is known while tracing (hashable: a custom_vjp static)."""
 
   spec: masks.MaskSpec
@@ -208,11 +168,11 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   offsets_static = None  # python ints are known while tracing; traced offsets only at run time
   if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
     offsets_static = (int(args.q_offset), int(args.kv_offset))
-  cfg = _Static(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
+  cfg = _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
                 request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
                 offsets_static, interpret)
-  q_pad = _round_up(request.q_len, math.lcm(fwd[0], bwd[0]))
-  kv_pad = _round_up(request.kv_len, math.lcm(fwd[1], bwd[1]))
+  q_pad = round_up(request.q_len, math.lcm(fwd[0], bwd[0]))
+  kv_pad = round_up(request.kv_len, math.lcm(fwd[1], bwd[1]))
 
   def to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d]
     x = jnp.swapaxes(x, 1, 2)
@@ -241,7 +201,7 @@ def _interpret_arg(interpret: bool):
   if not interpret:
     return False
   params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
-  if params is None or platform_lib.interpreting() != "tpu":
+  if params is None or lowering.interpreting() != "tpu":
     return True
   return params()
 
@@ -325,7 +285,7 @@ class _Grid:
     return _Step(q_block, kv_block, (entry & 1) == 1, ids[-1] < count_ref[row], first, last)
 
 
-def _grid(cfg: _Static, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool):
+def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool):
   """The block map for these tiles (`masks.block_map`, plain JAX), as a grid and its SMEM tables."""
   block_q, block_kv = blocks
   bm = masks.block_map(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, q_seg, kv_seg,
@@ -344,7 +304,7 @@ def _grid(cfg: _Static, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool)
   return grid, plan, count.reshape(-1)
 
 
-def _call(kernel, name: str, cfg: _Static, grid: _Grid, tables, inputs, in_specs, out_shape,
+def _call(kernel, name: str, cfg: _TpuCall, grid: _Grid, tables, inputs, in_specs, out_shape,
           out_specs, scratch, cost):
   return pl.pallas_call(
       functools.partial(kernel, cfg=cfg, grid=grid),
@@ -367,7 +327,7 @@ def _column(row):
   return jnp.transpose(jnp.broadcast_to(row, (LANES, row.shape[1])))
 
 
-def _tile_visible(cfg: _Static, offsets_ref, step: _Step, shape, q_axis, q_seg, kv_seg):
+def _tile_visible(cfg: _TpuCall, offsets_ref, step: _Step, shape, q_axis, q_seg, kv_seg):
   """The element mask of one tile; q positions run along ``q_axis`` (0, or 1 when transposed)."""
   block_q, block_kv = shape[q_axis], shape[1 - q_axis]
   q_local = step.q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
@@ -383,7 +343,7 @@ def _when_visited(step: _Step, update):
   pl.when(step.visited & ~step.full)(lambda: update(masked=True))
 
 
-def _logits(cfg: _Static, a, b):
+def _logits(cfg: _TpuCall, a, b):
   """scale * a @ b^T in float32, soft-capped; also returns tanh(.) for the softcap gradient."""
   s = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * cfg.scale
@@ -393,7 +353,7 @@ def _logits(cfg: _Static, a, b):
   return cfg.softcap * capped, capped
 
 
-def _cost(cfg: _Static, b, h, per_pair_flops, nbytes):
+def _cost(cfg: _TpuCall, b, h, per_pair_flops, nbytes):
   """A CostEstimate from the analytic count of visible pairs (ignoring segment ids, not known
   while tracing: an upper bound for packed sequences)."""
   q_off, kv_off = cfg.static_offsets or (0, 0)
@@ -411,7 +371,7 @@ def _nbytes(*arrays):
 # Forward
 # ----------------------------------------------------------------------------
 
-def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Grid):
+def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_seg_scr = refs
   else:
@@ -461,7 +421,7 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid:
     lse_ref[...] = jnp.transpose(lse)[:1, :]  # [bq, 128] column -> [1, bq] row
 
 
-def _forward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
+def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   b, h, q_pad, d = q.shape
   kv_pad, dv = k.shape[2], v.shape[3]
   grid, plan, count = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
@@ -485,7 +445,7 @@ def _forward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
 # Backward
 # ----------------------------------------------------------------------------
 
-def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Grid):
+def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref,
      dk_scr, dv_scr, kv_seg_scr) = refs
@@ -527,7 +487,7 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Gr
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Grid):
+def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
      dq_scr, lse_scr, delta_scr, q_seg_scr) = refs
@@ -566,7 +526,7 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _Static, grid: _Gri
     dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
 
 
-def _backward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
+def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
   b, h, q_pad, d = q.shape
   kv_pad, dv = k.shape[2], v.shape[3]
   seg_inputs = []
@@ -607,16 +567,16 @@ def _backward(cfg: _Static, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
 # ----------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
+def _flash(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   return _forward(cfg, q, k, v, q_seg, kv_seg, offsets)
 
 
-def _flash_fwd(cfg: _Static, q, k, v, q_seg, kv_seg, offsets):
+def _flash_fwd(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, offsets)
   return (out, lse), (q, k, v, q_seg, kv_seg, offsets, out, lse)
 
 
-def _flash_bwd(cfg: _Static, residuals, cotangents):
+def _flash_bwd(cfg: _TpuCall, residuals, cotangents):
   q, k, v, q_seg, kv_seg, offsets, out, lse = residuals
   d_out, d_lse = cotangents
   # Rows past q_len get a zero cotangent (the wrapper slices them off), but they may lie in a

@@ -1,7 +1,7 @@
 """Profiler traces of attention alone and of a training step, with our kernels named.
 
-    python -m flash_layers.bench.profile --out /tmp/fl-trace                 # impl auto, 2,048 tokens
-    python -m flash_layers.bench.profile --out /tmp/fl-trace --impl xla_chunked --seq-len 8192
+    python -m benchmarks.profile --out /tmp/fl-trace                 # impl auto, 2,048 tokens
+    python -m benchmarks.profile --out /tmp/fl-trace --impl xla_chunked --seq-len 8192
     tensorboard --logdir /tmp/fl-trace      # Profile tab (tensorboard-plugin-profile / xprof)
 
 Writes two jax.profiler traces, `OUT/attention` (forward + backward of `fl.attention`)
@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 import flash_layers as fl
-from flash_layers.bench import cases, e2e
+from benchmarks import cases, e2e
 
 # What our code is called in a trace: named scopes and pallas_call names.
 NAME_PATTERN = re.compile(rb"flash_layers[._][a-z_]+|flash_pallas_gpu_[a-z_]+")
@@ -96,7 +96,7 @@ def trace_train_step(trace_dir: str, *, impl: str = "auto", seq_len: int = 2048,
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(prog="python -m flash_layers.bench.profile", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m benchmarks.profile", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--out", required=True, help="directory for the two traces")
   p.add_argument("--impl", default="auto", help=f"one of {fl.IMPLS + ('auto',)}")

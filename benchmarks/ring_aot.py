@@ -1,6 +1,6 @@
-"""`python -m flash_layers.bench.ring_aot`: compile ring attention for a TPU slice; memory per chip.
+"""`python -m benchmarks.ring_aot`: compile ring attention for a TPU slice; memory per chip.
 
-    python -m flash_layers.bench.ring_aot --topology v5p:2x2x2 --seq-len 32768
+    python -m benchmarks.ring_aot --topology v5p:2x2x2 --seq-len 32768
 
 Needs libtpu, no TPU: `jax.experimental.topologies` describes the slice's chips,
 a mesh is built over them (all on "sequence" unless --tensor/--data say
@@ -20,13 +20,13 @@ import os
 import re
 import sys
 
-from flash_layers.bench import tpu_aot
+from benchmarks import tpu_aot
 
 COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce")
 
 
 def _parse(argv):
-  parser = argparse.ArgumentParser(prog="python -m flash_layers.bench.ring_aot", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.ring_aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--topology", default="v5p:2x2x2", help="TPU slice, e.g. v5p:2x2x2, v5e:4x4")
   tpu_aot.add_problem_args(parser, heads=8, head_dim=128,

@@ -32,9 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import flash_layers as fl
-from flash_layers import api
-from flash_layers import platform as platform_lib
-from flash_layers.bench import cases
+from benchmarks import cases
+from flash_layers import dispatch, lowering
 from flash_layers.impls import REGISTRY
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -55,7 +54,7 @@ class Target:
 
 
 def local_target() -> Target:
-  return Target(platform_lib.default_platform(), runs=True)
+  return Target(lowering.default_platform(), runs=True)
 
 
 def tpu_aot_target(topology: str) -> Target:
@@ -157,8 +156,8 @@ def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int |
     info = fl.explain(q, k, v, impl=impl, **kwargs)
     return info.kernel, info.blocks_visited, info.blocks_total
   # fl.explain answers for the local platform; an AOT target asks the impl about its own.
-  request, args = api.prepare(q, k, v, **kwargs)
-  name, _ = api.resolve(impl, request, target.platform)
+  request, args = dispatch.prepare(q, k, v, **kwargs)
+  name, _ = dispatch.resolve(impl, request, target.platform)
   chosen = REGISTRY[name]
   stats = getattr(chosen, "block_stats", None)
   visited, total = (stats(request, args, target.platform) or (None, None)) if stats else (None, None)

@@ -1,7 +1,7 @@
 """End-to-end: training throughput of the document encoder, per impl, against Flax's stock attention.
 
-    python -m flash_layers.bench.e2e                      # 512, 2,048 and 8,192 tokens
-    python -m flash_layers.bench.e2e --lengths 512 --impls auto --steps 2 --json out.json
+    python -m benchmarks.e2e                      # 512, 2,048 and 8,192 tokens
+    python -m benchmarks.e2e --lengths 512 --impls auto --steps 2 --json out.json
 
 The model is `flash_layers.models.Bert` in a MiniLM shape (6 layers, hidden 384,
 12 heads, MLP 1,536, BERT's 30,522-token vocabulary) with a classification head,
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import optax
 
 import flash_layers as fl
-from flash_layers.bench import harness
+from benchmarks import harness
 
 STOCK = "flax"  # the baseline variant's name in the output
 CONFIGS = ((512, 4), (2048, 1), (8192, 1))  # (tokens per row, batch): batch 1 for long rows
@@ -192,7 +192,7 @@ def run_one(variant: str, seq_len: int, batch: int, *, steps: int, mem_limit: in
 # ----------------------------------------------------------------------------
 
 def _subprocess_row(variant, seq_len, batch, args) -> dict[str, Any]:
-  cmd = [sys.executable, "-m", "flash_layers.bench.e2e", "--one", variant, str(seq_len), str(batch),
+  cmd = [sys.executable, "-m", "benchmarks.e2e", "--one", variant, str(seq_len), str(batch),
          "--steps", str(args.steps), "--mem-limit-gb", str(args.mem_limit_gb)]
   proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
   for line in reversed(proc.stdout.splitlines()):
@@ -241,7 +241,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def parse_args(argv=None):
-  p = argparse.ArgumentParser(prog="python -m flash_layers.bench.e2e", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m benchmarks.e2e", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--lengths", default=",".join(str(n) for n, _ in CONFIGS),
                  help="comma-separated lengths among " + ",".join(str(n) for n, _ in CONFIGS)

@@ -1,11 +1,11 @@
 """Benchmarks and profiling for flash_layers.
 
-* `python -m flash_layers.bench` — every impl x length x mask x dtype, forward and
+* `python -m benchmarks` — every impl x length x mask x dtype, forward and
   forward+backward: time, compiled memory, FLOPs of the visible pairs, blocks visited
   (`cases.py` says what a cell computes, `harness.py` how it is measured,
   `report.py` how it is shown). `--tpu-aot v5e` compiles for a TPU instead.
-* `python -m flash_layers.bench.e2e` — training throughput of the document encoder
+* `python -m benchmarks.e2e` — training throughput of the document encoder
   under each impl against the same model on Flax's stock attention.
-* `python -m flash_layers.bench.profile --out DIR` — a jax.profiler trace of
+* `python -m benchmarks.profile --out DIR` — a jax.profiler trace of
   attention alone and of a training step.
 """

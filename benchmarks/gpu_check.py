@@ -1,12 +1,12 @@
 """One prepared GPU check: conformance on the device, then a timing table.
 
-    python -m flash_layers.bench.gpu_check --json bench/results/DATE-DEVICE.json
-    python -m flash_layers.bench.gpu_check --dry-run        # CPU, interpret mode, tiny sizes
+    python -m benchmarks.gpu_check --json benchmarks/results/DATE-DEVICE.json
+    python -m benchmarks.gpu_check --dry-run        # CPU, interpret mode, tiny sizes
 
 1. Conformance subset: flash_pallas on the GPU (the Triton kernels, as
    `fl.explain` must confirm) in bfloat16, float16 and float32, forward and
    dq/dk/dv, against the float64 NumPy oracle of the test suite
-   (tests/float64_reference.py). Pass when the error, relative to the largest
+   (flash_layers.testing.reference64). Pass when the error, relative to the largest
    magnitude of the float64 result, is at most twice that of the `reference` impl
    run in the same dtype on the same device, plus a floor per dtype.
 2. Timing, bfloat16, MHA, batch * length = 16k tokens, at 1k/4k/8k/16k tokens,
@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib.util
 import inspect
 import itertools
 import json
@@ -48,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flash_layers as fl
+from flash_layers.testing import reference64
 
 IMPLS = ("flash_pallas", "cudnn", "xla", "pallas_mha")
 PASSES = ("fwd", "fwd+bwd")
@@ -90,14 +90,8 @@ DRY_RUN_CONFORMANCE = ("tiny_packed_causal_gqa",)
 
 
 def _float64_oracle():
-  """tests/float64_reference.py, the suite's independent oracle (imports only NumPy)."""
-  path = pathlib.Path(__file__).resolve().parents[2] / "tests" / "float64_reference.py"
-  if not path.exists():
-    raise FileNotFoundError(f"the float64 oracle {path} is missing: run from a checkout of the repo")
-  spec = importlib.util.spec_from_file_location("float64_reference", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  """The suite's independent float64 oracle (`flash_layers.testing.reference64`)."""
+  return reference64
 
 
 def _packed_ids(rng, batch, length):
@@ -327,7 +321,7 @@ def device_description() -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m flash_layers.bench.gpu_check", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--dry-run", action="store_true",
                       help="CPU, Pallas interpret mode, tiny sizes: checks the script itself")

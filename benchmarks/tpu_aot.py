@@ -1,6 +1,6 @@
-"""`python -m flash_layers.bench.tpu_aot`: compile one forward+backward for a TPU chip; memory and FLOPs.
+"""`python -m benchmarks.tpu_aot`: compile one forward+backward for a TPU chip; memory and FLOPs.
 
-    python -m flash_layers.bench.tpu_aot --generation v5e --seq-len 32768
+    python -m benchmarks.tpu_aot --generation v5e --seq-len 32768
 
 Needs libtpu, no TPU: `jax.experimental.topologies` describes one chip of the chosen
 generation, and `jax.grad` of `fl.attention(..., impl="flash_pallas")` is compiled for it ahead
@@ -21,7 +21,7 @@ TOPOLOGIES = {"v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1", "v6e": "v6
 
 
 def _parse(argv):
-  parser = argparse.ArgumentParser(prog="python -m flash_layers.bench.tpu_aot", description=__doc__,
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--generation", default="v5e", choices=sorted(TOPOLOGIES))
   add_problem_args(parser, heads=12, head_dim=64, masks=("causal", "full", "packed"))
@@ -53,6 +53,7 @@ def compile_step(args) -> dict:
 
   import flash_layers as fl
   from flash_layers import masks
+  from flash_layers.impls.flash_pallas import tpu
 
   try:
     device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
@@ -92,7 +93,7 @@ def compile_step(args) -> dict:
       "generation": args.generation, "device_kind": device.device_kind, "impl": args.impl,
       "shape": {"batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
                 "kv_heads": kv_heads, "head_dim": d, "dtype": args.dtype, "mask": args.mask},
-      "block_sizes": str(fl.BlockSizes.for_generation(args.generation)),
+      "block_sizes": str(tpu.default_block_sizes(args.generation)),
       "memory_bytes": {**sizes, "total": sum(sizes.values())},
       "flops_compiled": float(cost.get("flops", float("nan"))),
       # forward 4d, dK/dV 8d, dQ 6d per visible pair and head (mask without segment ids)

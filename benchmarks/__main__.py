@@ -1,8 +1,8 @@
-"""`python -m flash_layers.bench`: every impl x length x mask x dtype, forward and forward+backward.
+"""`python -m benchmarks`: every impl x length x mask x dtype, forward and forward+backward.
 
-    python -m flash_layers.bench --quick                      # tiny grid, seconds
-    python -m flash_layers.bench --json bench/results/cpu.json --plots docs/img
-    python -m flash_layers.bench --tpu-aot v5e                # TPU memory/FLOPs without a TPU
+    python -m benchmarks --quick                      # tiny grid, seconds
+    python -m benchmarks --json benchmarks/results/cpu.json --plots docs/img
+    python -m benchmarks --tpu-aot v5e                # TPU memory/FLOPs without a TPU
 
 Prints a markdown table; see `harness.py` for what is measured and when a cell is not run.
 """
@@ -16,7 +16,7 @@ import sys
 import time
 
 import flash_layers as fl
-from flash_layers.bench import cases, harness, report
+from benchmarks import cases, harness, report
 
 
 def _csv(kind, allowed=None):
@@ -31,7 +31,7 @@ def _csv(kind, allowed=None):
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-  p = argparse.ArgumentParser(prog="python -m flash_layers.bench", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("--quick", action="store_true",
                  help="tiny grid (lengths 128,256; causal and packed; float32; 2 heads of 32)")
@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> list[dict]:
   config = config_from(args)
   target = harness.tpu_aot_target(args.tpu_aot) if args.tpu_aot else harness.local_target()
   start = time.time()
-  print(f"# flash_layers.bench on {target.label}: shape batch={config.shape.batch} "
+  print(f"# benchmarks on {target.label}: shape batch={config.shape.batch} "
         f"heads={config.shape.heads} head_dim={config.shape.head_dim}; mem limit "
         f"{config.mem_limit_bytes / 2**30:.1f} GiB; {os.cpu_count()} CPUs", file=sys.stderr)
   done = []

@@ -1,0 +1,229 @@
+"""Dispatch: validate a call once (`prepare`), choose its impl (`resolve`, the auto table), run it (`attend`).
+
+Everything a user can get wrong is checked here, before any impl runs, so a
+mistake is a ValueError/TypeError naming the argument, never a traceback from
+inside JAX. The impls then trust their inputs. The public `attention`/`explain`
+(api.py), the sharded and ring paths (parallel/) and the layers all build on
+this module; it imports none of them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from flash_layers import lowering, masks
+from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError
+
+log = logging.getLogger("flash_layers")
+
+AUTO = "auto"
+
+# On CPU, dense XLA attention wins while its [q_len, kv_len] logits stay small;
+# from this many keys on, xla_chunked's O(len * chunk) memory wins (README: rule table).
+CPU_CHUNKED_MIN_KV_LEN = 2048
+
+
+# ----------------------------------------------------------------------------
+# Validation
+# ----------------------------------------------------------------------------
+
+def _shape_str(x) -> str:
+  return f"{jnp.result_type(x)}{tuple(np.shape(x))}"
+
+
+def _check_qkv(query, key, value):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array; got {type(x).__name__}")
+    if x.ndim != 4:
+      raise ValueError(f"{name} must have rank 4 [batch, length, heads, head_dim]; "
+                       f"got shape {tuple(x.shape)}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      raise TypeError(f"{name} must be a floating-point array; got {_shape_str(x)}")
+  if not (query.dtype == key.dtype == value.dtype):
+    raise TypeError("query, key and value must share one dtype; got "
+                    f"query {query.dtype}, key {key.dtype}, value {value.dtype}")
+  b, t, h, d = query.shape
+  _, s, kvh, dk = key.shape
+  if key.shape[0] != b or value.shape[0] != b:
+    raise ValueError(f"batch size differs: query {b}, key {key.shape[0]}, value {value.shape[0]}")
+  if value.shape[1] != s:
+    raise ValueError(f"key and value lengths differ: key kv_len={s}, value kv_len={value.shape[1]}")
+  if dk != d:
+    raise ValueError(f"key head_dim {dk} differs from query head_dim {d}")
+  if value.shape[2] != kvh:
+    raise ValueError(f"key and value must have the same number of kv heads; "
+                     f"got key {kvh}, value {value.shape[2]}")
+  if kvh == 0 or h % kvh:
+    raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({kvh})")
+  if min(b, t, s, h, d, value.shape[3]) == 0:
+    raise ValueError(f"empty dimension in query {tuple(query.shape)}, key {tuple(key.shape)} "
+                     f"or value {tuple(value.shape)}")
+
+
+def _check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
+  if segment_ids is None:
+    if kv_segment_ids is not None:
+      raise ValueError("kv_segment_ids was given without segment_ids; pass both")
+    return None, None
+  if kv_segment_ids is None:
+    if q_len != kv_len:
+      raise ValueError(f"cross-attention (q_len={q_len} != kv_len={kv_len}) with segment_ids "
+                       "needs kv_segment_ids [batch, kv_len] too")
+    kv_segment_ids = segment_ids
+  for name, seg, length in (("segment_ids", segment_ids, q_len),
+                            ("kv_segment_ids", kv_segment_ids, kv_len)):
+    if not hasattr(seg, "shape") or not hasattr(seg, "dtype"):
+      raise TypeError(f"{name} must be an integer array [batch, length]; got {type(seg).__name__}")
+    if not jnp.issubdtype(seg.dtype, jnp.integer):
+      raise TypeError(f"{name} must be an integer array [batch, length]=({batch}, {length}); "
+                      f"got {_shape_str(seg)}")
+    if tuple(seg.shape) != (batch, length):
+      raise ValueError(f"{name} must have shape [batch, length]=({batch}, {length}); "
+                       f"got {tuple(seg.shape)}")
+  return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+
+
+def _check_scalar(name, value, *, positive):
+  if value is None:
+    return None
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+    raise TypeError(f"{name} must be a Python float; got {type(value).__name__} {value!r}")
+  value = float(value)
+  if not np.isfinite(value) or (positive and value <= 0) or value == 0:
+    raise ValueError(f"{name} must be a finite {'positive ' if positive else 'non-zero '}float; "
+                     f"got {value}")
+  return value
+
+
+def check_impl(impl: str) -> None:
+  """Raise ValueError unless `impl` is one of IMPLS or \"auto\"."""
+  if impl != AUTO and impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS + (AUTO,)}; got {impl!r}")
+
+
+def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids=None,
+            window=None, scale=None, softcap=None, block_sizes=None, dense_mask=None,
+            q_offset=0, kv_offset=0) -> tuple[Request, Args]:
+  """Validate a call; return its static Request and array Args."""
+  _check_qkv(query, key, value)
+  b, t, h, d = query.shape
+  s, kvh, dv = key.shape[1], key.shape[2], value.shape[3]
+  q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
+  if not isinstance(causal, bool):
+    raise TypeError(f"causal must be a bool; got {causal!r}")
+  spec = masks.MaskSpec(causal=causal, window=masks.normalize_window(window))
+  scale = _check_scalar("scale", scale, positive=False)
+  softcap = _check_scalar("softcap", softcap, positive=True)
+  if dense_mask is not None:
+    dense_mask = jnp.asarray(dense_mask, dtype=bool)
+    while dense_mask.ndim < 4:
+      dense_mask = dense_mask[None]
+    try:
+      jnp.broadcast_shapes(dense_mask.shape, (b, h, t, s))
+    except ValueError:
+      raise ValueError(f"mask must broadcast to [batch, heads, q_len, kv_len]=({b}, {h}, {t}, {s}); "
+                       f"got {tuple(dense_mask.shape)}") from None
+  request = Request(
+      batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kvh, head_dim=d, head_dim_v=dv,
+      dtype=jnp.dtype(query.dtype).name, spec=spec, has_segment_ids=q_seg is not None,
+      scale=d ** -0.5 if scale is None else scale, softcap=softcap,
+      has_dense_mask=dense_mask is not None, block_sizes=block_sizes)
+  return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask)
+
+
+# ----------------------------------------------------------------------------
+# Choosing an impl
+# ----------------------------------------------------------------------------
+
+def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
+  """The per-backend rule table (README, "How auto chooses"): candidates in order, with why."""
+  if platform == "tpu":
+    return [("flash_pallas", "TPU: our Mosaic flash kernel"),
+            ("xla_chunked", "TPU: flash_pallas cannot serve it; chunked keeps memory linear"),
+            ("xla_native", "TPU: fused XLA attention"),
+            ("reference", "TPU: nothing else serves this request")]
+  if platform in ("cuda", "rocm"):
+    cands = []
+    if REGISTRY["xla_native"].kernel(request, platform) == "cudnn":
+      cands.append(("xla_native", "GPU: cuDNN flash attention is eligible"))
+    return cands + [("flash_pallas", "GPU: our Triton flash kernel"),
+                    ("xla_chunked", "GPU: flash_pallas cannot serve it; chunked keeps memory linear"),
+                    ("xla_native", "GPU: XLA attention"),
+                    ("reference", "GPU: nothing else serves this request")]
+  if request.kv_len >= CPU_CHUNKED_MIN_KV_LEN:
+    return [("xla_chunked", f"CPU: kv_len {request.kv_len} >= {CPU_CHUNKED_MIN_KV_LEN}, "
+             "chunked attention keeps memory linear"),
+            ("xla_native", "CPU: dense XLA attention"),
+            ("reference", "CPU: nothing else serves this request")]
+  return [("xla_native", f"CPU: kv_len {request.kv_len} < {CPU_CHUNKED_MIN_KV_LEN}, "
+           "dense XLA attention while the logits are small"),
+          ("xla_chunked", "CPU: xla_native cannot serve it"),
+          ("reference", "CPU: nothing else serves this request")]
+
+
+def _who_can(request: Request, platform: str) -> list[str]:
+  return [name for name in IMPLS if REGISTRY[name].unsupported(request, platform) is None]
+
+
+def resolve(impl: str, request: Request, platform: str) -> tuple[str, str]:
+  """(impl name, reason) for `platform`; raises UnsupportedError for an explicit impl."""
+  check_impl(impl)
+  if impl != AUTO:
+    missing = REGISTRY[impl].unsupported(request, platform)
+    if missing is not None:
+      raise UnsupportedError(
+          f"impl={impl!r} does not support {missing} on {platform}; impls that do: "
+          f"{_who_can(request, platform) or 'none'}")
+    return impl, "explicitly requested"
+  for name, reason in _auto_candidates(request, platform):
+    if REGISTRY[name].unsupported(request, platform) is None:
+      return name, reason
+  raise UnsupportedError(f"no impl supports this request on {platform}")  # reference supports all
+
+
+_logged_auto: set[tuple[Request, str]] = set()
+
+
+def _log_auto_choice(request: Request, platform: str, name: str, reason: str):
+  key = (request, platform)
+  if key not in _logged_auto:
+    _logged_auto.add(key)
+    log.info("flash_layers auto: %s on %s for %s (%s)", name, platform, _signature(request), reason)
+
+
+def _signature(r: Request) -> str:
+  return (f"{r.dtype}[b={r.batch}, q={r.q_len}, kv={r.kv_len}, h={r.num_heads}/{r.num_kv_heads}, "
+          f"d={r.head_dim}/{r.head_dim_v}] {r.spec.describe(r.has_segment_ids)}")
+
+
+# Platforms whose choice may differ: the call is lowered with one branch per platform.
+_DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda")
+
+
+def _run(name: str, query, key, value, request: Request, args: Args):
+  # The scope names the impl in HLO metadata, so profiler traces show "flash_layers.<impl>".
+  with jax.named_scope(f"flash_layers.{name}"):
+    return REGISTRY[name].attend(query, key, value, request=request, args=args)
+
+
+def attend(query, key, value, *, impl: str, request: Request, args: Args):
+  """Run an already-validated request; returns (out, lse). Used by `attention` and the ring."""
+  here = lowering.default_platform()
+  if impl != AUTO:
+    resolve(impl, request, here)
+    return _run(impl, query, key, value, request, args)
+  name, reason = resolve(AUTO, request, here)
+  _log_auto_choice(request, here, name, reason)
+  choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
+  if len(set(choices.values())) == 1:
+    return _run(name, query, key, value, request, args)
+  # Choose by the platform the computation is lowered for, so that an AOT compile
+  # for TPU from a CPU host runs the TPU choice.
+  branches = {p: (lambda q, k, v, n=n: _run(n, q, k, v, request, args))
+              for p, n in choices.items()}
+  return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
