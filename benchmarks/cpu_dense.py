@@ -95,8 +95,8 @@ def measure(shape, variants, mask_kind: str, dtype: str, rounds: int, progress=N
 
 
 def markdown(rows: list[dict]) -> str:
-  lines = ["| shape [b, t, h, d] | mask | variant | CPU ms (median) | CPU ms (min) | wall ms | x flax (CPU) |",
-           "|---|---|---|---|---|---|---|"]
+  lines = ["| shape [b, t, h, d] | mask | variant | CPU ms (median) | CPU ms (min) | wall ms "
+           "| x flax (CPU) |", "|---|---|---|---|---|---|---|"]
   for r in rows:
     name = r["variant"] + (f" ({r['impl_chosen']})" if r.get("impl_chosen") else "")
     ratio = f"{r['flax_cpu_over_ours']:.2f}" if r.get("flax_cpu_over_ours") else ""
@@ -111,7 +111,8 @@ def _shape(text: str) -> tuple[int, int, int, int]:
   except ValueError:
     dims = ()
   if len(dims) != 4 or min(dims) <= 0:
-    raise argparse.ArgumentTypeError(f"a shape is BxTxHxD with positive ints (e.g. 4x512x12x32); got {text!r}")
+    raise argparse.ArgumentTypeError(
+        f"a shape is BxTxHxD with positive ints (e.g. 4x512x12x32); got {text!r}")
   return dims
 
 

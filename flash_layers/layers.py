@@ -280,7 +280,7 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
 
   The module's dense boolean `mask` ([batch..., heads|1, q_len, kv_len], True =
   attend) and nnx's `is_causal` are honoured. A mask needs an impl that takes a
-  dense mask (reference, xla_native, xla_chunked); flash_pallas raises
+  dense mask (reference, xla_native, xla_chunked, xla_dense); flash_pallas raises
   UnsupportedError. Unlike flax's softmax, a row whose mask hides every key gets
   zeros. An additive `bias`, attention-probability dropout (dropout_rate > 0 and
   not deterministic) and sown attention weights raise UnsupportedError; `precision`

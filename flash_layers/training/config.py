@@ -28,7 +28,7 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.model = m = ml_collections.ConfigDict()
   # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
-  # ("reference", "xla_native", "xla_chunked", "flash_pallas").
+  # ("reference", "xla_native", "xla_chunked", "xla_dense", "flash_pallas").
   m.impl = "auto"
   # Tokens per row. Beyond the checkpoint's position table (512 for BERT) the
   # learned positions are extended (see position_extension), up to
