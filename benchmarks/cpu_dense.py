@@ -32,7 +32,7 @@ import flash_layers as fl
 
 FLAX = "flax"
 DEFAULT_SHAPES = ((4, 512, 12, 32), (8, 512, 12, 64))
-DEFAULT_VARIANTS = (FLAX, "xla_dense", "xla_native", "xla_chunked", "auto")
+DEFAULT_VARIANTS = (FLAX, "xla_dense", "xla_native", "xla_chunked")
 MASKS = ("none", "segments", "causal")
 
 
@@ -86,8 +86,7 @@ def measure(shape, variants, mask_kind: str, dtype: str, rounds: int, progress=N
            "rounds": rounds, "cpu_ms": 1e3 * statistics.median(cpu[name]),
            "cpu_ms_min": 1e3 * min(cpu[name]), "wall_ms": 1e3 * statistics.median(wall[name]),
            "load_avg_1min": [round(x, 2) for x in (min(load), max(load))]}
-    if name == "auto":
-      row["impl_chosen"] = chosen.impl
+    row["auto_picks"] = chosen.impl
     if base:
       row["flax_cpu_over_ours"] = base / statistics.median(cpu[name])
     rows.append(row)
@@ -98,7 +97,7 @@ def markdown(rows: list[dict]) -> str:
   lines = ["| shape [b, t, h, d] | mask | variant | CPU ms (median) | CPU ms (min) | wall ms "
            "| x flax (CPU) |", "|---|---|---|---|---|---|---|"]
   for r in rows:
-    name = r["variant"] + (f" ({r['impl_chosen']})" if r.get("impl_chosen") else "")
+    name = r["variant"] + (f" ({r['auto_picks']})" if r["variant"] == "auto" else "")
     ratio = f"{r['flax_cpu_over_ours']:.2f}" if r.get("flax_cpu_over_ours") else ""
     lines.append(f"| {r['shape']} | {r['mask']} | {name} | {r['cpu_ms']:.0f} | {r['cpu_ms_min']:.0f} | "
                  f"{r['wall_ms']:.0f} | {ratio} |")
@@ -125,7 +124,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help=f"comma-separated, among {(FLAX,) + fl.IMPLS + ('auto',)}")
   p.add_argument("--masks", default="none,segments", help=f"comma-separated, among {MASKS}")
   p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
-  p.add_argument("--rounds", type=int, default=7, help="timed rounds (every variant once per round)")
+  p.add_argument("--rounds", type=int, default=5, help="timed rounds (every variant once per round)")
   p.add_argument("--json", metavar="PATH", help="write the rows, with the machine and date, as JSON")
   args = p.parse_args(argv)
   args.shapes = [_shape(s) for s in args.shapes.split(",") if s]
