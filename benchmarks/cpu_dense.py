@@ -93,6 +93,18 @@ def measure(shape, variants, mask_kind: str, dtype: str, rounds: int, progress=N
   return rows
 
 
+def cpu_model() -> str:
+  """The processor's model name (Linux), else what `platform` knows."""
+  try:
+    with open("/proc/cpuinfo") as f:
+      for line in f:
+        if line.startswith("model name"):
+          return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or platform.machine()
+
+
 def markdown(rows: list[dict]) -> str:
   lines = ["| shape [b, t, h, d] | mask | variant | CPU ms (median) | CPU ms (min) | wall ms "
            "| x flax (CPU) |", "|---|---|---|---|---|---|---|"]
@@ -127,7 +139,10 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--rounds", type=int, default=5, help="timed rounds (every variant once per round)")
   p.add_argument("--json", metavar="PATH", help="write the rows, with the machine and date, as JSON")
   args = p.parse_args(argv)
-  args.shapes = [_shape(s) for s in args.shapes.split(",") if s]
+  try:
+    args.shapes = [_shape(s) for s in args.shapes.split(",") if s]
+  except argparse.ArgumentTypeError as e:
+    p.error(f"--shapes: {e}")
   args.variants = tuple(v for v in args.variants.split(",") if v)
   args.masks = tuple(m for m in args.masks.split(",") if m)
   allowed = (FLAX,) + fl.IMPLS + ("auto",)
@@ -153,7 +168,7 @@ def main(argv=None) -> int:
       rows += measure(shape, args.variants, mask_kind, args.dtype, args.rounds, progress)
   print(markdown(rows))
   if args.json:
-    meta = {"date": datetime.date.today().isoformat(), "machine": platform.processor() or platform.machine(),
+    meta = {"date": datetime.date.today().isoformat(), "machine": cpu_model(),
             "cpus": os.cpu_count(), "jax": jax.__version__, "backend": jax.default_backend(),
             "measure": "median over rounds of process CPU time per fwd+bwd call (all threads)"}
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
