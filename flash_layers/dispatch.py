@@ -25,7 +25,7 @@ AUTO = "auto"
 # On CPU, xla_dense wins while its [q_len, kv_len] logits stay small; from this many keys on,
 # "auto" takes xla_chunked, whose memory is O(len * chunk) (docs/contract.md: the auto rule;
 # docs/benchmarks.md: the crossover).
-CPU_CHUNKED_MIN_KV_LEN = 2048
+CPU_CHUNKED_MIN_KV_LEN = 1024
 
 
 # ----------------------------------------------------------------------------
