@@ -200,8 +200,9 @@ def _tiny(dataset) -> ml_collections.ConfigDict:
   ("train.learning_rate", -1e-3, "config.train.learning_rate: must be a number > 0"),
   ("train.num_steps", 0, "config.train.num_steps"),
   ("data.dataset", "/no/such/data.jsonl", "config.data.dataset: '/no/such/data.jsonl' does not exist"),
-  ("mesh.data", 3, "config.mesh: data*fsdp*tensor*sequence = 3 must equal the 4 devices"),
-  ("mesh.tensor", 3, "config.mesh.data: the other axes' product 3 does not divide the 4 devices"),
+  ("mesh.data", 3, "config.mesh.data*fsdp*tensor*sequence: data=3 needs 3 devices but there are 4"),
+  ("mesh.tensor", 3, "config.mesh.data: -1 takes the rest, but the other sizes' product 3 does not divide "
+   "the 4 devices"),
   ("train.grad_accum_steps", 3, "config.train.grad_accum_steps: must divide train.batch_size=8"),
   ("model.max_len", 512 * 16 + 1, "config.model.max_len: 8193 is above what the checkpoint's 512-row"),
   ("checkpoint.best_metric", "auc", "config.checkpoint.best_metric"),
@@ -457,7 +458,7 @@ def test_gradient_accumulation_matches_one_big_batch():
 
 
 @pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 8),
-                                          ("tpu_pod", 64), ("tiny", 1)])
+                                          ("tpu_pod", 64), ("tpu_multislice", 128), ("tiny", 1)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:
