@@ -402,19 +402,26 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path):
 
 @pytest.mark.aot
 @pytest.mark.slow
-def test_pod_dry_run_compiles_for_v5p_2x2x2(tmp_path):
+def test_pod_dry_run_compiles_for_two_v5p_2x2x2_slices(tmp_path):
   pytest.importorskip("libtpu")
   result = subprocess.run(
     [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tpu_pod.py"),
-     "--aot_topology=v5p:2x2x2", "--config.model.num_layers=1", "--config.model.max_len=1024",
-     "--config.train.batch_size=8"],
+     "--aot_topology=v5p:2x2x2", "--aot_num_slices=2", "--config.model.num_layers=1",
+     "--config.model.max_len=1024", "--config.train.batch_size=8"],
     env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
   assert result.returncode == 0, result.stderr[-4000:]
   report = json.loads(result.stdout[result.stdout.index("{"):])
-  assert report["chips"] == 8 and report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 4}
+  # Per slice fsdp 2 x sequence 4 (tpu_pod's fsdp=-1 on 8 chips); the slices are data parallel.
+  assert report["chips"] == 16 and report["slices"] == 2
+  assert report["dcn_mesh"] == {"dcn_data": 2, "dcn_fsdp": 1}
+  assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 4}
   assert report["fits"] is True and report["hbm_per_chip_bytes"] == 95 * 2**30
   assert report["per_chip_bytes"]["peak_estimate"] > report["per_chip_bytes"]["arguments"] > 0
   assert report["flops_per_step_per_chip"] > 0
+  traffic = report["collective_bytes_per_step_per_chip"]
+  # Only the data-parallel gradient all-reduce crosses DCN; fsdp and the ring stay on ICI.
+  assert [k for k in traffic["by_axes"] if k.startswith("dcn:")] == ["dcn:data"]
+  assert traffic["by_axes"]["ici:fsdp"] > 0 and traffic["by_axes"]["ici:sequence"] > 0
 
 
 # ----------------------------------------------------------------------------
