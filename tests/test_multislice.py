@@ -170,6 +170,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
   %loop = (s32[], f32[8]) while(%init), condition=%cond, body=%body
   %heads = f32[8] all-reduce(%a), channel_id=2, replica_groups=[2,2]<=[2,2]T(1,0), to_apply=%add
   %tokens = bf16[16] all-gather(%a), channel_id=3, replica_groups={{0,1},{2,3}}, dimensions={0}
+  %copy = f32[8] collective-permute(%a), channel_id=5, source_target_pairs={{0,0},{1,1},{2,2},{3,3}}
   %token = token[] after-all()
   %send = (f32[2,8], u32[], token[]) send(%a, %token), channel_id=4, is_host_transfer=true, @MEGASCALE
   ROOT %r = f32[8] get-tuple-element(%loop), index=1
@@ -188,7 +189,7 @@ def _fake_mesh(global_order=False):
 
 def test_collectives_of_a_per_slice_program():
   found = {c.name: c for c in collectives_lib.collectives(HLO, _fake_mesh())}
-  assert set(found) == {"ring", "heads", "tokens", "send"}
+  assert set(found) == {"ring", "heads", "tokens", "send"}  # not "copy": every device sends to itself
   ring, heads, tokens, send = found["ring"], found["heads"], found["tokens"], found["send"]
   assert (ring.kind, ring.network, ring.axes, ring.executions, ring.payload_bytes) == (
     "collective-permute", "ici", ("sequence",), 3, 32)  # 3 loop trips of f32[8]

@@ -281,6 +281,8 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
       if kind not in ICI_KINDS or instr.opcode.endswith("-done"):
         continue
       local = _groups(instr, partitions)
+      if kind == "collective-permute" and local is not None and all(a == b for a, b in local):
+        continue  # every device "sends" to itself: a local copy, nothing on a link
       groups = None if local is None or program is None else [[program[i] for i in g] for g in local]
       cross = groups is not None and any(len({getattr(d, "slice_index", 0) for d in g}) > 1 for g in groups)
       network = "dcn" if cross else "ici"
