@@ -74,7 +74,7 @@ def test_hybrid_layout_without_slice_indices_matches_jax():
   ({"tensor": 8}, ["make_mesh tensor", "does not fit in one slice"]),
   ({"tensor": 2, "sequence": 2}, ["make_mesh dcn_data*dcn_fsdp", "needs 1 slices but there are 2"]),
   ({"tensor": 2, "dcn_data": 2, "dcn_fsdp": 2}, ["dcn_data=2, dcn_fsdp=2 needs 4 slices but there are 2"]),
-  ({"data": -1, "dcn_data": -1, "num_slices": 4}, ["num_slices=4", "slice_index says 2 slices"]),
+  ({"data": -1, "dcn_data": -1, "num_slices": 4}, ["make_mesh num_slices=4", "slice_index says 2 slice(s)"]),
 ])
 def test_hybrid_mesh_errors_name_the_argument(kwargs, words):
   with pytest.raises(ValueError) as info:

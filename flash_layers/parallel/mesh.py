@@ -8,6 +8,10 @@ the nearest neighbours):
 * ``fsdp``     -- batch rows too; parameters sharded over it along "embed" (ZeRO-3 style).
 * ``tensor``   -- attention heads and MLP columns (Megatron style).
 * ``sequence`` -- the token axis; attention over it runs as a ring.
+
+On several TPU slices (joined by the data-center network, DCN) the mesh is hybrid:
+data and fsdp may also run across slices (dcn_data x dcn_fsdp = the slices), tensor
+and sequence stay inside one.
 """
 
 from __future__ import annotations
@@ -106,13 +110,14 @@ def slice_count(devices: Sequence[jax.Device]) -> int:
 def _slices(devices: list, num_slices: int | None) -> list[list]:
   """`devices` grouped by slice, slices in `slice_index` order."""
   found = slice_count(devices)
-  if num_slices is None or (found > 1 and num_slices == found):
+  indexed = any(hasattr(d, "slice_index") for d in devices)
+  if num_slices is None or (indexed and num_slices == found):
     groups: dict[int, list] = {}
     for d in devices:
       groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
     return [groups[k] for k in sorted(groups)]
-  if found > 1:
-    raise ValueError(f"make_mesh num_slices={num_slices}, but the devices' slice_index says {found} slices")
+  if indexed:
+    raise ValueError(f"make_mesh num_slices={num_slices}, but the devices' slice_index says {found} slice(s)")
   if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1 \
       or len(devices) % num_slices:
     raise ValueError(f"make_mesh num_slices must be a positive integer dividing the {len(devices)} devices; "
