@@ -419,8 +419,11 @@ def test_pod_dry_run_compiles_for_two_v5p_2x2x2_slices(tmp_path):
   assert report["per_chip_bytes"]["peak_estimate"] > report["per_chip_bytes"]["arguments"] > 0
   assert report["flops_per_step_per_chip"] > 0
   traffic = report["collective_bytes_per_step_per_chip"]
-  # Only the data-parallel gradient all-reduce crosses DCN; fsdp and the ring stay on ICI.
-  assert [k for k in traffic["by_axes"] if k.startswith("dcn:")] == ["dcn:data"]
+  # fsdp and the ring stay on ICI; DCN carries the data-parallel gradient reduction (and a few
+  # point-to-point bytes of the batch-sharded classifier head, which move along data too).
+  dcn = {k: v for k, v in traffic["by_axes"].items() if k.startswith("dcn:")}
+  assert all(k.startswith("dcn:data") for k in dcn), dcn
+  assert dcn["dcn:data"] > 0.99 * traffic["dcn_bytes_per_step_per_chip"]
   assert traffic["by_axes"]["ici:fsdp"] > 0 and traffic["by_axes"]["ici:sequence"] > 0
 
 
