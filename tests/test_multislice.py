@@ -30,10 +30,6 @@ def _topology(num_slices: int = 2):
   return aot.topology_devices("v5e:2x2", num_slices)
 
 
-def _coords(mesh) -> dict:
-  return {d.id: dict(zip(mesh.axis_names, idx, strict=True)) for idx, d in np.ndenumerate(mesh.devices)}
-
-
 # ----------------------------------------------------------------------------
 # The mesh
 # ----------------------------------------------------------------------------
@@ -179,7 +175,7 @@ ENTRY %main (a: f32[8]) -> f32[8] {
             '_xla_megascale_transfer_type="ALL_REDUCE"}')
 
 
-def _fake_mesh(global_order=False):
+def _fake_mesh():
   """2 slices x 4 devices, mesh (data 2, fsdp 1, tensor 2, sequence 2), slice-major like make_mesh."""
   devices = [types.SimpleNamespace(id=100 * (s + 1) + i, slice_index=s) for s in range(2) for i in range(4)]
   grid = np.empty(8, dtype=object)
