@@ -29,6 +29,6 @@ from flash_layers.models.pretrained import (
     from_pretrained,
 )
 
-__all__ = ["DTYPES", "MODEL_TYPES", "POOLINGS", "POSITION_EXTENSIONS", "REMAT_POLICIES", "Bert", "CheckpointError",
-           "ModernBert", "assets", "document_mask", "extend_positions", "from_pretrained", "init_params",
-           "param_axes", "positions_from_segments", "pretrained"]
+__all__ = ["DTYPES", "MODEL_TYPES", "POOLINGS", "POSITION_EXTENSIONS", "REMAT_POLICIES", "Bert",
+           "CheckpointError", "ModernBert", "assets", "document_mask", "extend_positions",
+           "from_pretrained", "init_params", "param_axes", "positions_from_segments", "pretrained"]
