@@ -282,8 +282,12 @@ class Bert(nn.Module):
     hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
     if segment_ids is None:
       segment_ids = jnp.ones(input_ids.shape, jnp.int32)
-    pooled = self.pool(hidden, segment_ids, max_docs)
-    pooled = self.dropout(pooled, deterministic=deterministic)
+    return self.classify_hidden(hidden, segment_ids, max_docs=max_docs, deterministic=deterministic)
+
+  def classify_hidden(self, hidden: jax.Array, segment_ids: jax.Array, *, max_docs: int = 1,
+                      deterministic: bool = True) -> jax.Array:
+    """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
+    pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
     return self.classifier(pooled).astype(jnp.float32)
 
   def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
@@ -292,7 +296,10 @@ class Bert(nn.Module):
     """Masked-LM logits [batch, len, vocab_size] (decoder tied to the word embeddings)."""
     if not self.mlm_head:
       raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
-    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    return self.mlm_hidden(self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic))
+
+  def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
+    """`mlm` from the encoder's output."""
     x = self.mlm_norm(jax.nn.gelu(self.mlm_transform(hidden), approximate=False))
     return (self.word_embeddings.attend(x) + self.mlm_bias).astype(jnp.float32)
 

@@ -277,6 +277,11 @@ class ModernBert(nn.Module):
     hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
     if segment_ids is None:
       segment_ids = jnp.ones(input_ids.shape, jnp.int32)
+    return self.classify_hidden(hidden, segment_ids, max_docs=max_docs, deterministic=deterministic)
+
+  def classify_hidden(self, hidden: jax.Array, segment_ids: jax.Array, *, max_docs: int = 1,
+                      deterministic: bool = True) -> jax.Array:
+    """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
     pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
     return self.classifier(pooled).astype(jnp.float32)
 
@@ -286,7 +291,10 @@ class ModernBert(nn.Module):
     """Masked-LM logits [batch, len, vocab_size] (decoder tied to the token embeddings)."""
     if not self.mlm_head:
       raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
-    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    return self.mlm_hidden(self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic))
+
+  def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
+    """`mlm` from the encoder's output."""
     logits = self.tok_embeddings.attend(self._head(hidden))
     if self.decoder_bias:
       logits = logits + self.mlm_bias
