@@ -25,8 +25,12 @@ import flash_layers as fl
 from flash_layers import models
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "hf_tiny"
-CHECKPOINTS = ("roberta", "xlm_roberta", "modernbert", "modernbert_bias")
 CASES = [("reference", None), ("xla_native", None), ("xla_chunked", None), ("flash_pallas", "tpu")]
+# Every impl on one checkpoint of each architecture; the variants (XLM-R's other offset, ModernBERT
+# with biases, tanh-GELU, its own rotary bases and a narrower window) change only impl-independent
+# code, so they run on the reference and on flash_pallas (whose tiles see the other window).
+RUNS = ([(case, name) for name in ("roberta", "modernbert") for case in CASES]
+        + [(CASES[0], "xlm_roberta"), (CASES[0], "modernbert_bias"), (CASES[3], "modernbert_bias")])
 ROW = 64  # packed rows: documents 0 + 3 (24 + 31 tokens), then 1 + 2 (7 + 15)
 PACKING = ((0, 3), (1, 2))
 TOL = 1e-4
@@ -93,8 +97,7 @@ def _context(platform):
   return fl.interpret_as(platform) if platform else contextlib.nullcontext()
 
 
-@pytest.mark.parametrize("name", CHECKPOINTS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c[0] if c[1] is None else f"{c[0]}-{c[1]}")
+@pytest.mark.parametrize("case,name", RUNS, ids=[f"{c[0]}{'-' + c[1] if c[1] else ''}-{n}" for c, n in RUNS])
 def test_matches_hugging_face_padded_and_packed(case, name):
   impl, platform = case
   model, params, golden = load(name, impl)
@@ -262,3 +265,49 @@ def test_roberta_positions_extend_behind_the_offset():
   assert model.max_len == 100 and ours.shape == (102, 32)
   np.testing.assert_array_equal(ours[:40], table)
   np.testing.assert_array_equal(ours[40:78], table[2:])
+
+
+# ----------------------------------------------------------------------------
+# Training from a ModernBERT checkpoint: host params placed by the train state
+# ----------------------------------------------------------------------------
+
+def test_modernbert_checkpoint_fine_tunes_through_the_training_stack():
+  """task.build_model -> host params -> state created on the mesh -> train steps lower the loss."""
+  from flash_layers.parallel.mesh import LOGICAL_RULES
+  from flash_layers.training import config as config_lib
+  from flash_layers.training import optimizer as optimizer_lib
+  from flash_layers.training import sharding as sharding_lib
+  from flash_layers.training import state as state_lib
+  from flash_layers.training import steps as steps_lib
+  from flash_layers.training import task as task_lib
+
+  config = config_lib.default_config()
+  config.model.pretrained = str(GOLDEN / "modernbert")
+  config.model.update(impl="xla_native", max_len=ROW, pooling="mean", dropout_rate=0.0)
+  config.train.update(learning_rate=3e-3, warmup_steps=0, schedule="constant")
+  model, pretrained = task_lib.build_model(config, num_labels=3, vocab_size=None)
+  assert isinstance(model, models.ModernBert) and model.pooling == "mean"
+  assert all(type(x) is np.ndarray for x in jax.tree.leaves(pretrained))
+
+  mesh = sharding_lib.mesh_from_config(config)
+  tx = optimizer_lib.make_optimizer(config.train)
+  schedule = optimizer_lib.learning_rate_schedule(config.train)
+  init = lambda: models.init_params(model, jax.random.key(0), boxed=True)
+  abstract, shardings = state_lib.state_shardings(init, tx, mesh, LOGICAL_RULES)
+  state_lib.check_params_match(pretrained, abstract.params)
+  state = state_lib.create_state(init, tx, shardings, pretrained)
+  np.testing.assert_array_equal(state.params["layers_1"]["mlp_gate"]["kernel"],
+                                pretrained["layers_1"]["mlp_gate"]["kernel"])
+
+  ids, seg = batch(np.load(GOLDEN / "modernbert" / "golden.npz"))
+  labels = np.array([[0, -1], [1, -1], [2, -1], [0, -1], [1, 2], [0, 1]], np.int32)
+  data = {"input_ids": ids, "segment_ids": seg, "positions": np.asarray(models.positions_from_segments(seg)),
+          "labels": labels}
+  logits_fn = task_lib.make_logits_fn(model)
+  step = jax.jit(steps_lib.make_train_step(logits_fn, tx, schedule, num_labels=3, seed=0))
+  losses = []
+  with sharding_lib.sharding_context(mesh):
+    for _ in range(3):
+      state, metrics = step(state, {k: jnp.asarray(v) for k, v in data.items()})
+      losses.append(float(metrics["loss"]))
+  assert int(metrics["count"]) == 8 and np.all(np.isfinite(losses)) and losses[-1] < losses[0], losses
