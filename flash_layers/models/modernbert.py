@@ -306,10 +306,11 @@ class ModernBert(nn.Module):
                          deterministic=deterministic)
 
   def init_everything(self, input_ids):
-    """For `init`: touches every parameter (encoder and whichever heads the model has)."""
-    outs = [self.encode(input_ids)]
+    """For `init`: touches every parameter (encoder and whichever heads the model has), encoding once."""
+    hidden = self.encode(input_ids)
+    outs = [hidden]
     if self.num_labels is not None:
-      outs.append(self.classify(input_ids))
+      outs.append(self.classify_hidden(hidden, jnp.ones(input_ids.shape, jnp.int32)))
     if self.mlm_head:
-      outs.append(self.mlm(input_ids))
+      outs.append(self.mlm_hidden(hidden))
     return outs
