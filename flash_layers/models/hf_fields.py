@@ -19,9 +19,10 @@ class CheckpointError(ValueError):
 METADATA = frozenset({
     # bookkeeping
     "_name_or_path", "name_or_path", "architectures", "model_type", "transformers_version", "torch_dtype",
-    "dtype", "_attn_implementation_autoset", "_commit_hash", "use_cache", "gradient_checkpointing",
-    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "use_bfloat16",
-    "xla_device", "chunk_size_feed_forward", "tokenizer_class", "prefix", "task_specific_params",
+    "dtype", "_attn_implementation_autoset", "_commit_hash", "use_cache", "output_past",
+    "gradient_checkpointing", "output_attentions", "output_hidden_states", "return_dict", "torchscript",
+    "use_bfloat16", "xla_device", "chunk_size_feed_forward", "tokenizer_class", "prefix",
+    "task_specific_params",
     # labels (from_pretrained builds a new classifier with num_labels=)
     "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
     # special-token ids (the tokenizer's business; RoBERTa reads pad_token_id itself)
