@@ -172,6 +172,24 @@ def test_local_layers_get_the_window_global_layers_none(monkeypatch):
   assert seen == [("xla_chunked", None), ("xla_chunked", 4), ("xla_chunked", None)]  # local_attention 8
 
 
+def test_modernbert_remat_and_dropout():
+  """remat keeps the gradients; dropout_rate acts only when deterministic=False."""
+  model, params, golden = load("modernbert", "xla_native")
+  ids, seg = (jnp.asarray(a) for a in batch(golden))
+
+  def grads(model):
+    loss = lambda p: model.apply({"params": p}, ids, seg, max_docs=2).sum()
+    return jax.jit(jax.grad(loss))(params)
+
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
+               grads(model), grads(model.clone(remat=True, remat_policy="dots_saveable")))
+  noisy = model.clone(dropout_rate=0.5)
+  run = jax.jit(lambda key, det: noisy.apply({"params": params}, ids, seg, method=noisy.encode,
+                                             deterministic=det, rngs={"dropout": key}), static_argnums=1)
+  np.testing.assert_array_equal(run(jax.random.key(1), True), run(jax.random.key(2), True))
+  assert not np.allclose(run(jax.random.key(1), False), run(jax.random.key(2), False))
+
+
 # ----------------------------------------------------------------------------
 # Loading: host params, both ModernBERT config formats, fields refused by name
 # ----------------------------------------------------------------------------
