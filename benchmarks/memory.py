@@ -9,13 +9,16 @@ with dev evaluations (a new best is also saved to best/) and checkpoints in betw
 Every `--sample-every` steps the loop's `on_step` hook records, after a garbage
 collection so that only what is still referenced counts:
 
-* the process's resident memory (VmRSS from /proc/self/status),
+* the process's resident memory (VmRSS from /proc/self/status), and its anonymous part
+  (RssAnon: the heap and other private memory a leak grows; file-backed pages such as the
+  mapped shared libraries can be dropped by the kernel under memory pressure),
 * the number and bytes of live device arrays (`jax.live_arrays()`),
 * the number of threads (a leaked thread pool shows here first).
 
 After warm-up (compilation, the first evaluation and the first saves), memory must
-plateau: resident memory at the end at most `--max-growth` (5%) above its value at
-30% of the run, and no more live arrays (count or bytes) at the end than at 30%.
+plateau: resident memory (both VmRSS and RssAnon) at the end at most `--max-growth` (5%)
+above its value at 30% of the run, and no more live arrays (count or bytes) at the end
+than at 30%.
 The exit status is 1 when it does not.
 """
 
@@ -86,8 +89,11 @@ def sample(step: int) -> dict:
   gc.collect()
   arrays = jax.live_arrays()
   rss, source = resident_bytes()
-  threads = _proc_status().get("Threads")
+  status = _proc_status()
+  kib = lambda key: int(status[key].split()[0]) * 1024 if key in status else None
+  threads = status.get("Threads")
   return {"step": step, "time_s": time.perf_counter(), "rss_bytes": rss, "rss_source": source,
+          "rss_anon_bytes": kib("RssAnon"), "rss_file_bytes": kib("RssFile"),
           "live_arrays": len(arrays), "live_array_bytes": sum(a.nbytes for a in arrays),
           "threads": int(threads) if threads else None}
 
@@ -124,6 +130,8 @@ def plateau(samples: list[dict], num_steps: int, max_growth: float) -> dict:
                      "(lower --sample-every)")
   median = lambda values: float(np.median(values))
   rss = [median([s["rss_bytes"] for s in w]) for w in (head, tail)]
+  has_anon = all(s.get("rss_anon_bytes") for s in head + tail)
+  anon = [median([s["rss_anon_bytes"] for s in w]) for w in (head, tail)] if has_anon else None
   count = [min(s["live_arrays"] for s in w) for w in (head, tail)]
   nbytes = [min(s["live_array_bytes"] for s in w) for w in (head, tail)]
   after = [s for s in samples if s["step"] >= HEAD[0] * num_steps]
@@ -132,13 +140,15 @@ def plateau(samples: list[dict], num_steps: int, max_growth: float) -> dict:
   result = {
     "head_steps": [head[0]["step"], head[-1]["step"]], "tail_steps": [tail[0]["step"], tail[-1]["step"]],
     "rss_median_bytes": rss, "rss_growth": rss[1] / rss[0] - 1,
+    "rss_anon_median_bytes": anon, "rss_anon_growth": anon[1] / anon[0] - 1 if anon else None,
     "rss_endpoint_growth": after[-1]["rss_bytes"] / after[0]["rss_bytes"] - 1,
     "rss_slope_bytes_per_100_steps": float(slope * 100),
     "live_arrays_floor": count, "live_array_bytes_floor": nbytes,
     "threads_max": [max(s["threads"] or 0 for s in w) for w in (head, tail)],
     "max_growth": max_growth,
   }
-  result["flat"] = bool(result["rss_growth"] <= max_growth and count[1] <= count[0]
+  anon_ok = anon is None or result["rss_anon_growth"] <= max_growth
+  result["flat"] = bool(result["rss_growth"] <= max_growth and anon_ok and count[1] <= count[0]
                         and nbytes[1] <= nbytes[0])
   return result
 
@@ -198,7 +208,10 @@ def plot(result: dict, path: str) -> None:
   samples = [s for s in result["samples"] if s["step"] > 0]
   steps = [s["step"] for s in samples]
   fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
-  top.plot(steps, [s["rss_bytes"] / 2**20 for s in samples], marker=".", label="resident memory")
+  top.plot(steps, [s["rss_bytes"] / 2**20 for s in samples], marker=".", label="resident (VmRSS)")
+  if all(s.get("rss_anon_bytes") for s in samples):
+    top.plot(steps, [s["rss_anon_bytes"] / 2**20 for s in samples], marker=".", label="anonymous (RssAnon)")
+  top.legend(loc="lower right", fontsize=8)
   top.set_ylabel("resident memory (MiB)")
   top.set_ylim(bottom=0)
   bottom.plot(steps, [s["live_array_bytes"] / 2**20 for s in samples], marker=".", color="tab:green")
@@ -253,8 +266,10 @@ def main(argv=None) -> int:
   mib = lambda n: f"{n / 2**20:.1f} MiB"
   (h0, h1), (t0, t1) = p["head_steps"], p["tail_steps"]
   rss, count, nbytes = p["rss_median_bytes"], p["live_arrays_floor"], p["live_array_bytes_floor"]
+  anon = (f"; anonymous {mib(p['rss_anon_median_bytes'][0])} -> {mib(p['rss_anon_median_bytes'][1])} "
+          f"({p['rss_anon_growth']:+.2%})") if p["rss_anon_median_bytes"] else ""
   print(f"steps {h0}-{h1} -> {t0}-{t1}: resident (median) {mib(rss[0])} -> {mib(rss[1])} "
-        f"({p['rss_growth']:+.2%}; end points {p['rss_endpoint_growth']:+.2%}, slope "
+        f"({p['rss_growth']:+.2%}{anon}; end points {p['rss_endpoint_growth']:+.2%}, slope "
         f"{mib(p['rss_slope_bytes_per_100_steps'])} per 100 steps); live arrays (floor) {count[0]} -> "
         f"{count[1]}, {mib(nbytes[0])} -> {mib(nbytes[1])}; threads (max) {p['threads_max'][0]} -> "
         f"{p['threads_max'][1]}: {'flat' if p['flat'] else 'NOT FLAT'}")

@@ -45,8 +45,9 @@ def test_training_memory_plateaus(tmp_path):
   # The criterion, from the raw samples: windows at 30-40% and 90-100% of the run.
   head = [s for s in samples if 60 <= s["step"] <= 80]
   tail = [s for s in samples if s["step"] >= 180]
-  rss = [np.median([s["rss_bytes"] for s in w]) for w in (head, tail)]
-  assert rss[1] <= 1.05 * rss[0], f"resident memory grew from {rss[0] / MIB:.0f} to {rss[1] / MIB:.0f} MiB"
+  for key in ("rss_bytes", "rss_anon_bytes"):  # all resident memory, and its anonymous (heap) part
+    rss = [np.median([s[key] for s in w]) for w in (head, tail)]
+    assert rss[1] <= 1.05 * rss[0], f"{key} grew from {rss[0] / MIB:.0f} to {rss[1] / MIB:.0f} MiB"
   for key in ("live_arrays", "live_array_bytes"):
     assert min(s[key] for s in tail) <= min(s[key] for s in head), key
   # The state (params + Adam's moments) is live throughout, so the floor is not trivially zero.
