@@ -16,11 +16,13 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from flash_layers.errors import UserError
+
 SPLITS = ("train", "dev", "test")
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """Malformed or inconsistent input data; the message names the file (and line where there is one)."""
 
 
@@ -116,7 +118,10 @@ class Records(list):
 # ----------------------------------------------------------------------------
 
 def _read_text(path: pathlib.Path) -> str:
-  data = path.read_bytes()
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -187,6 +192,26 @@ def _read_class_folders(root: pathlib.Path):
       if not text.strip():
         raise DataError(f"{path}: empty file")
       yield text, folder.name, f"{path}: "
+
+
+def read_documents(path: str | pathlib.Path, *, text_column: str = "text") -> list[dict]:
+  """The JSON objects of a JSONL file of unlabelled documents, each with a string `text_column`
+  (to predict); DataError naming the file and line otherwise."""
+  path = pathlib.Path(path)
+  rows = []
+  for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get(text_column), str):
+      raise DataError(f"{path}:{lineno}: each line must be a JSON object with a string field {text_column!r}")
+    rows.append(row)
+  if not rows:
+    raise DataError(f"{path}: empty file (no documents)")
+  return rows
 
 
 def _raw(path: pathlib.Path, text_column: str, label_column: str):

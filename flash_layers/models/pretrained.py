@@ -23,13 +23,14 @@ import jax
 import numpy as np
 from safetensors.numpy import load_file
 
+from flash_layers.errors import UserError
 from flash_layers.models import assets
 from flash_layers.models.bert import Bert, init_params
 
 POSITION_EXTENSIONS = ("repeat", "interpolate")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
   """A checkpoint that does not fit the model: names the tensor and the file."""
 
 

@@ -22,6 +22,7 @@ from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import readers
 from flash_layers.training import steps as steps_lib
+from flash_layers.training.config import ConfigError
 
 log = logging.getLogger("flash_layers.training")
 
@@ -89,7 +90,7 @@ def tokenizer_path(config: ml_collections.ConfigDict) -> str:
     return "listops"
   if config.model.pretrained:
     return str(models.assets.checkpoint_dir(config.model.pretrained))
-  raise ValueError("config.data.tokenizer: needed when training from scratch on text "
+  raise ConfigError("config.data.tokenizer: needed when training from scratch on text "
                    "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
 
 
@@ -100,7 +101,7 @@ def make_tokenizer(config) -> data_lib.TextTokenizer:
 
 def local_batch_size(global_batch: int) -> int:
   if global_batch % jax.process_count():
-    raise ValueError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
+    raise ConfigError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
                      "processes")
   return global_batch // jax.process_count()
 
@@ -139,7 +140,7 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
     return model, jax.tree.map(np.asarray, params)
   vocab_size = m.vocab_size or vocab_size
   if not vocab_size:
-    raise ValueError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
+    raise ConfigError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
   model = models.Bert(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
                       num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len, num_labels=num_labels,
                       **common)
@@ -161,7 +162,7 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   tokenizer = make_tokenizer(config)
   label_names = list(train_records.vocab.names)
   if config.model.num_labels and config.model.num_labels != len(label_names):
-    raise ValueError(f"config.model.num_labels={config.model.num_labels} but the training data has "
+    raise ConfigError(f"config.model.num_labels={config.model.num_labels} but the training data has "
                      f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
   model, pretrained = build_model(config, len(label_names), tokenizer.vocab_size)
   seq_len = config.model.max_len
