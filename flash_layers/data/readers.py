@@ -20,6 +20,8 @@ from flash_layers.errors import UserError
 
 SPLITS = ("train", "dev", "test")
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+_CHOOSE_COLUMNS = ("choose others with text_column= / label_column=; in train.py with "
+                   "config.data.text_field / config.data.label_field")
 
 
 class DataError(UserError, ValueError):
@@ -152,7 +154,7 @@ def _read_jsonl(path: pathlib.Path, text_column: str, label_column: str):
     missing = [c for c in (text_column, label_column) if c not in row]
     if missing:
       raise DataError(f"{where}missing column(s) {missing}; the line has {sorted(row)} "
-                      "(choose others with text_column= / label_column=)")
+                      f"({_CHOOSE_COLUMNS})")
     rows += 1
     yield _check_text(row[text_column], where), row[label_column], where
   if rows == 0:
@@ -167,7 +169,7 @@ def _read_delimited(path: pathlib.Path, delimiter: str, text_column: str, label_
   missing = [c for c in (text_column, label_column) if c not in reader.fieldnames]
   if missing:
     raise DataError(f"{path}:1: missing column(s) {missing}; the header has {reader.fieldnames} "
-                    "(choose others with text_column= / label_column=)")
+                    f"({_CHOOSE_COLUMNS})")
   rows = 0
   for row in reader:
     where = f"{path}:{reader.line_num}: "

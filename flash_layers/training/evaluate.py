@@ -102,8 +102,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
   if checkpoint not in ("latest", "best") and not str(checkpoint).isdigit():
     raise UserError(f"--checkpoint must be 'latest', 'best' or a step number; got {checkpoint!r}")
   which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
-  checkpoint_lib.check_restorable(workdir, which)
   documents = data_lib.read_documents(predict, text_column=config.data.text_field) if predict else None
+  checkpoint_lib.check_restorable(workdir, which)
   log_job_info()
   mesh = sharding_lib.mesh_from_config(config)
   if task is None:
