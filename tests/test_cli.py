@@ -56,9 +56,13 @@ def files(tmp_path_factory) -> dict[str, pathlib.Path]:
   predict.write_text('{"text": "fine"}\n{"body": "no text field"}\n')
   buggy = root / "buggy_config.py"
   buggy.write_text("def get_config():\n  return {}['missing']\n")
+  splits = root / "splits"  # a dev split with a label training never saw
+  splits.mkdir()
+  (splits / "train.jsonl").write_text(good.read_text())
+  (splits / "dev.jsonl").write_text('{"text": "word", "label": "a"}\n{"text": "word", "label": "c"}\n')
   (root / "empty_workdir").mkdir()
   return {"root": root, "good": good, "undecodable": undecodable, "columns": columns, "predict": predict,
-          "buggy": buggy, "empty_workdir": root / "empty_workdir"}
+          "buggy": buggy, "splits": splits, "empty_workdir": root / "empty_workdir"}
 
 
 def run(script: str, *args) -> subprocess.CompletedProcess:
@@ -104,11 +108,12 @@ def test_train_py_config_mistake_is_one_line_before_anything_runs(files, case):
   assert not workdir.exists()
 
 
-@pytest.mark.parametrize("case", ["undecodable", "columns"])
+@pytest.mark.parametrize("case", ["undecodable", "columns", "splits"])
 def test_train_py_data_file_mistake_names_the_file_and_line(files, case):
   workdir = files["root"] / f"run_{case}"
   named = {"undecodable": [f"{files['undecodable']}:3:", "not valid UTF-8"],
-           "columns": [f"{files['columns']}:1:", "missing column(s) ['text', 'label']", "['body', 'topic']"]}
+           "columns": [f"{files['columns']}:1:", "missing column(s) ['text', 'label']", "['body', 'topic']"],
+           "splits": [f"{files['splits'] / 'dev.jsonl'}:2:", "label 'c' was not seen in training"]}
   result = run("train.py", *TINY, f"--config.data.dataset={files[case]}", "--workdir", workdir)
   assert_user_error(result, "train.py", *named[case])
   assert not (workdir / "checkpoints").exists()

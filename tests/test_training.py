@@ -213,6 +213,8 @@ def _tiny(dataset) -> ml_collections.ConfigDict:
   ("train.grad_accum_steps", 3, "config.train.grad_accum_steps: must divide train.batch_size=8"),
   ("model.max_len", 512 * 16 + 1, "config.model.max_len: 8193 is above what the checkpoint's 512-row"),
   ("checkpoint.best_metric", "auc", "config.checkpoint.best_metric"),
+  ("model.num_heads", 0, "config.model.num_heads: must be an integer > 0; got 0"),
+  ("data.eval_batch_size", -4, "config.data.eval_batch_size: must be an integer > 0; got -4"),
 ])
 def test_bad_config_value_names_the_field(dataset, field, value, message):
   config = _tiny(dataset)

@@ -150,7 +150,7 @@ class Checkpointer:
       manager = self.latest if step in self.latest.all_steps() else self.best
       if step not in manager.all_steps():
         raise NoCheckpointError(f"checkpoint step {step} not found in {self.workdir}/checkpoints or /best; "
-                         f"have {self.steps('latest')} and best {self.steps('best')}")
+                                f"have {self.steps('latest')} and best {self.steps('best')}")
       candidates = [step]
     for step in candidates:
       try:
