@@ -23,12 +23,14 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+import tensorstore
 
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import cli
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import state as state_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 600
@@ -279,6 +281,51 @@ def test_best_checkpoint_keeps_the_best_dev_metric(tmp_path):
   ckpt.close()
   assert step == 2
   np.testing.assert_array_equal(restored["w"], 2.0)
+
+
+def _file_bytes_read() -> int:
+  """Bytes tensorstore (orbax's storage layer) has read from files so far in this process."""
+  metrics = tensorstore.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+  return sum(value["value"] for metric in metrics for value in metric["values"])
+
+
+def test_restore_params_reads_no_optimizer_state(tmp_path):
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"dense": {"kernel": jax.random.normal(keys[0], (384, 384)),
+                      "bias": jax.random.normal(keys[1], (384,))}}
+  # Adam's moments filled with random numbers, as incompressible on disk as the params.
+  opt_state = jax.tree.map(
+    lambda x: jax.random.normal(keys[2], x.shape) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+    optax.adamw(1e-3).init(params))
+  state = state_lib.TrainState(step=jnp.int32(7), params=params, opt_state=opt_state)
+  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  for step in (1, 2):  # two steps, so that the two restores below cannot share a cache
+    ckpt.save(step, jax.tree.map(lambda x, s=step: x + s, state), None, '{"seed": 0}')
+  ckpt.wait()
+  ckpt.close()
+  abstract = lambda tree: jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  existing = {id(a) for a in jax.live_arrays()}
+  before = _file_bytes_read()
+  step, restored, config_json = ckpt.restore_params(abstract(params), which=1)
+  params_read = _file_bytes_read() - before
+  materialised = [a for a in jax.live_arrays() if id(a) not in existing]
+  before = _file_bytes_read()
+  full = ckpt.restore(abstract(state), which=2)
+  full_read = _file_bytes_read() - before
+  ckpt.close()
+
+  assert step == 1 and json.loads(config_json) == {"seed": 0}
+  jax.tree.map(lambda r, p: np.testing.assert_array_equal(r, p + 1), restored, params)
+  assert sum(a.nbytes for a in materialised) == nbytes(params)  # no optimizer-state arrays were made
+  # On disk the optimizer state (Adam's two moments) is twice the params: a restore that read it
+  # would read about three times the params' bytes, as the full restore does.
+  assert full_read > 2.5 * nbytes(params)
+  assert params_read < 1.2 * nbytes(params), (params_read, full_read)
+  jax.tree.map(lambda r, p: np.testing.assert_array_equal(r, p + 2), full[1].opt_state, opt_state)
 
 
 # ----------------------------------------------------------------------------
