@@ -11,8 +11,10 @@ from __future__ import annotations
 import pathlib
 from typing import Any
 
+from flash_layers.errors import UserError
 
-class CheckpointError(ValueError):
+
+class CheckpointError(UserError, ValueError):
   """A checkpoint that does not fit the model: names the field or tensor, and the file."""
 
 

@@ -29,9 +29,44 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from flash_layers.errors import UserError
+
 log = logging.getLogger("flash_layers.training")
 
 ITEMS = ("state", "data", "config")
+
+
+class NoCheckpointError(UserError, FileNotFoundError):
+  """The workdir, or the checkpoint asked for, is not there."""
+
+
+def saved_steps(workdir: str) -> dict[str, list[int]]:
+  """{"latest": steps in workdir/checkpoints, "best": steps in workdir/best}, read from the directory
+  names alone (no orbax, nothing created): a step directory exists only once its save completed."""
+  found = {}
+  for which, folder in (("latest", "checkpoints"), ("best", "best")):
+    path = os.path.join(workdir, folder)
+    names = os.listdir(path) if os.path.isdir(path) else []
+    found[which] = sorted(int(n) for n in names if n.isdigit())
+  return found
+
+
+def check_restorable(workdir: str, which: str | int = "latest") -> None:
+  """NoCheckpointError naming the workdir unless it holds the checkpoint `which` asks for.
+
+  Cheap and side-effect free, so eval.py runs it before building anything."""
+  if not os.path.isdir(workdir):
+    raise NoCheckpointError(f"--workdir {workdir}: no such directory (train into it first: "
+                            f"python train.py --config ... --workdir {workdir})")
+  steps = saved_steps(workdir)
+  if which in ("latest", "best"):
+    if not steps[which]:
+      folder = "checkpoints" if which == "latest" else "best"
+      raise NoCheckpointError(f"--workdir {workdir}: no {which} checkpoint ({folder}/ is empty or missing); "
+                              "run train.py with this --workdir first")
+  elif int(which) not in steps["latest"] + steps["best"]:
+    raise NoCheckpointError(f"--checkpoint {which}: no such step in {workdir}; it has {steps['latest']} "
+                            f"in checkpoints/ and {steps['best']} in best/")
 
 
 def _manager(directory: str, **options) -> ocp.CheckpointManager:
@@ -151,8 +186,8 @@ class Checkpointer:
       step = int(which)
       manager = self.latest if step in self.latest.all_steps() else self.best
       if step not in manager.all_steps():
-        raise ValueError(f"checkpoint step {step} not found in {self.workdir}/checkpoints or /best; "
-                         f"have {self.steps('latest')} and best {self.steps('best')}")
+        raise NoCheckpointError(f"checkpoint step {step} not found in {self.workdir}/checkpoints or /best; "
+                                f"have {self.steps('latest')} and best {self.steps('best')}")
       candidates = [step]
     for step in candidates:
       try:
