@@ -25,7 +25,8 @@ import flash_layers as fl
 from flash_layers import models
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "hf_tiny"
-CASES = [("reference", None), ("xla_native", None), ("xla_chunked", None), ("flash_pallas", "tpu")]
+CASES = [("reference", None), ("xla_native", None), ("xla_chunked", None), ("flash_pallas", "tpu"),
+         ("xla_dense", None)]
 # Every impl on one checkpoint of each architecture; the variants (XLM-R's other offset, ModernBERT
 # with biases, tanh-GELU, its own rotary bases and a narrower window) change only impl-independent
 # code, so they run on the reference and on flash_pallas (whose tiles see the other window).
