@@ -145,6 +145,12 @@ def unsupported(request: Request) -> str | None:
   """The first feature of `request` these kernels cannot serve, or None."""
   if request.has_dense_mask:
     return "dense mask"
+  if request.has_bias:
+    return "dense bias"
+  if request.has_dropout:
+    return "dropout"
+  if request.has_alibi:
+    return "alibi"
   if request.dtype not in SUPPORTED_DTYPES:
     return f"dtype {request.dtype} (GPU kernels take {', '.join(SUPPORTED_DTYPES)})"
   if max(request.head_dim, request.head_dim_v) > MAX_HEAD_DIM:

@@ -117,6 +117,12 @@ def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
 def unsupported(request: Request) -> str | None:
   if request.has_dense_mask:  # blocks are skipped by the mask spec; an arbitrary array has none
     return "dense mask"
+  if request.has_bias:
+    return "dense bias"
+  if request.has_dropout:
+    return "dropout"
+  if request.has_alibi:
+    return "alibi"
   plan = max(_plan_entries(request, blocks) for blocks in _blocks(request))
   if plan > MAX_PLAN_ENTRIES:
     return (f"a block plan of {plan} tiles (SMEM holds {MAX_PLAN_ENTRIES}; use larger block_sizes, "
