@@ -158,3 +158,24 @@ def alibi(slope, q_pos, kv_pos):
   """float32 -slope * |i - j| (broadcasts; positions global)."""
   dist = jnp.abs(jnp.asarray(q_pos, jnp.int32) - jnp.asarray(kv_pos, jnp.int32)).astype(jnp.float32)
   return -jnp.asarray(slope, jnp.float32) * dist
+
+
+def kernel_table(request, args, batch: int, num_heads: int) -> jax.Array:
+  """int32 [alibi slope bits (num_heads), dropout streams (batch * num_heads)] for the kernels.
+
+  Both kernel families read it as scalars: slope of local head h at ``h`` (float32 bits), stream
+  of local (batch row b, head h) at ``slopes + b * num_heads + h``. Each part is present only
+  when the request uses it. The streams come from `stream` on global indices, so a kernel only
+  hashes positions (`bits`), exactly as the other impls do.
+  """
+  parts = []
+  if request.has_alibi:
+    parts.append(jax.lax.bitcast_convert_type(args.alibi_slopes.astype(jnp.float32), jnp.int32))
+  if request.has_dropout:
+    if request.dropout_broadcast:
+      b = h = jnp.zeros((batch, num_heads), jnp.int32)
+    else:
+      b = args.batch_offset + jnp.arange(batch, dtype=jnp.int32)[:, None]
+      h = args.head_offset + jnp.arange(num_heads, dtype=jnp.int32)[None, :]
+    parts.append(stream(args.dropout_seed, b, h).reshape(-1))
+  return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)
