@@ -39,10 +39,11 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
   explicit_mqa: causal_packed_gqa with one kv head, on a mesh with Explicit axis types.
   dropout_alibi: causal_packed_gqa with dropout (rate 0.3) and ALiBi: the mask hashes global
     batch rows, heads and positions, so every mesh must give the unsharded result.
+  bias_heads: a dense bias [batch, heads, q, kv], split with q over data and tensor.
   """
   rng = np.random.default_rng(seed)
   heads, kv_heads = {"causal_packed_gqa": (4, 2), "window_mqa": (4, 1), "uneven_gqa": (6, 3),
-                     "explicit_mqa": (4, 1), "dropout_alibi": (4, 2)}[case]
+                     "explicit_mqa": (4, 1), "dropout_alibi": (4, 2), "bias_heads": (4, 2)}[case]
   q = rng.standard_normal((batch, length, heads, head_dim))
   k = rng.standard_normal((batch, length, kv_heads, head_dim))
   v = rng.standard_normal((batch, length, kv_heads, head_dim))
@@ -51,6 +52,9 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
     return q, k, v, {"window": (5, 2)}
   if case == "uneven_gqa":
     return q, k, v, {"causal": True}
+  if case == "bias_heads":
+    return q, k, v, {"causal": True, "bias": jnp.asarray(rng.standard_normal((batch, heads, length, length)),
+                                                          jnp.float32)}
   seg = np.zeros((batch, length), np.int32)
   for row in range(batch):
     bounds = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
@@ -89,9 +93,9 @@ def relative_errors(actual, expected) -> dict[str, float]:
 
 
 CASES = {"causal_packed_gqa": MESHES, "dropout_alibi": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
-         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),)}
+         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),), "bias_heads": ((2, 1, 4, 1),)}
 # Cases that test how a call is split, not an impl: run with the reference only.
-PLAN_CASES = ("uneven_gqa", "explicit_mqa")
+PLAN_CASES = ("uneven_gqa", "explicit_mqa", "bias_heads")
 
 
 def cases_for(impl: str) -> dict:

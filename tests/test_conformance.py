@@ -160,13 +160,12 @@ CONFIGS = [
     Config("dropout01_cross_causal_mqa_orphans", q_len=24, kv_len=40, heads=4, kv_heads=1, causal=True,
            batch=2, segments="orphans", dropout=0.1),
     Config("dropout05_broadcast_batch2", q_len=32, batch=2, dropout=0.5, dropout_broadcast=True),
-    Config("alibi_causal_h6_kv2", q_len=48, heads=6, kv_heads=2, causal=True, alibi=True),
-    Config("alibi_dropout_softcap_window", q_len=40, heads=4, window=(8, 3), softcap=3.0, input_scale=2.0,
-           alibi=True, dropout=0.1),
-    Config("bias_full_causal_batch2", q_len=24, batch=2, causal=True, bias=(True, True, True, True)),
+    Config("alibi_h6_kv2_dropout_softcap_window", q_len=40, heads=6, kv_heads=2, window=(8, 3), softcap=3.0,
+           input_scale=2.0, alibi=True, dropout=0.1),
+    Config("bias_full_dropout_causal_batch2", q_len=24, batch=2, causal=True, dropout=0.5,
+           bias=(True, True, True, True)),
     Config("bias_shared_cross_packed_alibi", q_len=24, kv_len=40, heads=4, kv_heads=2, segments="packed",
            alibi=True, bias=(False, False, True, True)),
-    Config("bias_heads_dropout", q_len=32, heads=2, dropout=0.5, bias=(False, True, True, True)),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
