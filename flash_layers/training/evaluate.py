@@ -24,7 +24,6 @@ from flash_layers.parallel.mesh import LOGICAL_RULES
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
-from flash_layers.training import optimizer as optimizer_lib
 from flash_layers.training import sharding as sharding_lib
 from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
@@ -69,20 +68,20 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, shard
 
 
 def restore_params(config, workdir: str, task: task_lib.Task, mesh, which: str | int):
-  tx = optimizer_lib.make_optimizer(config.train)
-  abstract, _ = state_lib.state_shardings(task.init_params, tx, mesh, LOGICAL_RULES)
+  """(step, params) of a checkpoint, sharded on `mesh`; the optimizer state is not read."""
+  abstract, _ = state_lib.params_shardings(task.init_params, mesh, LOGICAL_RULES)
   checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
                                             best_metric=config.checkpoint.best_metric)
   try:
-    restored = checkpoints.restore(abstract, which=which)
+    restored = checkpoints.restore_params(abstract, which=which)
   finally:
     checkpoints.close()
   if restored is None:
     raise FileNotFoundError(f"no {which} checkpoint in {workdir} (checkpoints/ and best/ are empty); "
                             "run train.py with this --workdir first")
-  step, state, _, saved_config = restored
+  step, params, saved_config = restored
   _warn_on_config_drift(config, json.loads(saved_config))
-  return step, state.params
+  return step, params
 
 
 def _warn_on_config_drift(config, saved: dict):
