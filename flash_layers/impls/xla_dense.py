@@ -16,6 +16,9 @@ out for what XLA:CPU does well:
   ``[t, s]`` probabilities are never rescaled. (Autodiff through
   ``jax.nn.softmax`` was up to 1.2x slower in exploratory runs.)
 * The mask is applied with one ``where`` and only when the request has one.
+* ALiBi and an additive bias join the logits as one dense ``extra`` term (its
+  gradient is the logits' gradient); dropout multiplies the probabilities by the
+  keep mask of `flash_layers.dropout`, the same hash every impl evaluates.
 
 Why not `jax.nn.dot_product_attention` on CPU (xla_native): it reshapes q to
 ``[b, t, kvh, g, d]`` and vmaps its core over ``g`` even when ``g == 1``, the
@@ -34,8 +37,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks
+from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.reference import dense_keep
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +47,7 @@ class _DenseCall:
   scale: float
   softcap: float | None
   group: int  # query heads per kv head; 1 drops the "g" axis from every einsum
+  dropout_rate: float = 0.0
 
 
 def _einsum(st: _DenseCall, spec: str, a, b):
@@ -57,14 +62,17 @@ def _to_rows(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(st, q, k, v, mask):
-  return _dense_fwd(st, q, k, v, mask)[0]
+def _dense(st, q, k, v, mask, extra, keep):
+  return _dense_fwd(st, q, k, v, mask, extra, keep)[0]
 
 
-def _dense_fwd(st, q, k, v, mask):
-  """q [b, t, kvh, (g), d] float32, k/v [b, s, kvh, d|dv]; mask None or bool broadcastable to the logits."""
+def _dense_fwd(st, q, k, v, mask, extra, keep):
+  """q [b, t, kvh, (g), d] float32, k/v [b, s, kvh, d|dv]; mask and keep None or bool, extra None or
+  float32, each broadcastable to the logits [b, kvh, (g), t, s]."""
   q = q * st.scale
   s = _einsum(st, "btkgd,bskd->bkgts", q, k)
+  if extra is not None:
+    s = s + extra
   tanh = None
   if st.softcap is not None:
     tanh = jnp.tanh(s / st.softcap)
@@ -79,25 +87,35 @@ def _dense_fwd(st, q, k, v, mask):
   denom = p.sum(-1)
   has_key = denom > 0
   inv = jnp.where(has_key, 1.0 / jnp.where(has_key, denom, 1.0), 0.0)
-  out = _einsum(st, "bkgts,bskv->btkgv", p, v) * _to_rows(inv)
+  kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.dropout_rate), 0.0)
+  out = _einsum(st, "bkgts,bskv->btkgv", kept, v) * _to_rows(inv)
   lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
-  return (out, lse), (q, k, v, p, inv, tanh, out)
+  return (out, lse), (q, k, v, p, inv, tanh, out, extra, keep)
 
 
 def _dense_bwd(st, residuals, cotangents):
   """With P = p / l:  dv = P^T dO;  ds = P * (dO v^T - delta), delta = rowsum(dO * O) - dlse
   (times 1 - tanh^2 through the softcap);  dq = scale * ds k;  dk = ds^T (scale * q)."""
-  q, k, v, p, inv, tanh, out = residuals
+  q, k, v, p, inv, tanh, out, extra, keep = residuals
   dout, dlse = cotangents
   delta = jnp.moveaxis(jnp.sum(dout * out, axis=-1), 1, -1) - dlse  # [b, k, (g), t]
-  dv = _einsum(st, "bkgts,btkgv->bskv", p, dout * _to_rows(inv))
+  # Dropout: out = (P * keep * c) v, so dv sees the kept probabilities and dP = (dO v^T) * keep * c;
+  # delta = rowsum(P * dP) is still rowsum(dO * out).
+  kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.dropout_rate), 0.0)
+  dv = _einsum(st, "bkgts,btkgv->bskv", kept, dout * _to_rows(inv))
   dp = _einsum(st, "btkgv,bskv->bkgts", dout, v)
+  if keep is not None:
+    dp = jnp.where(keep, dp * dropout.keep_scale(st.dropout_rate), 0.0)
   ds = p * ((dp - delta[..., None]) * inv[..., None])
   if tanh is not None:
     ds = ds * (1.0 - tanh * tanh)
   dq = _einsum(st, "bkgts,bskd->btkgd", ds, k) * st.scale
   dk = _einsum(st, "bkgts,btkgd->bskd", ds, q)
-  return dq, dk, dv, None
+  d_extra = None
+  if extra is not None:  # the logits' gradient, summed over the axes `extra` broadcasts along
+    axes = tuple(i for i, (n, m) in enumerate(zip(extra.shape, ds.shape, strict=True)) if n == 1 and m > 1)
+    d_extra = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
+  return dq, dk, dv, None, d_extra, None
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -121,6 +139,34 @@ def _mask(request: Request, args: Args, group: int):
   return mask
 
 
+def _grouped(x, group: int):
+  """[b|1, h|1, t, s] -> [b|1, kvh|1, (g|1), t, s], the logits' layout."""
+  if group == 1:
+    return x
+  heads = x.shape[1]
+  return x.reshape(x.shape[0], heads // group if heads > 1 else 1, group if heads > 1 else 1, *x.shape[2:])
+
+
+def _extra(args: Args, b: int, h: int, t: int, s: int, group: int):
+  """ALiBi + bias as one float32 term broadcastable to the logits, or None."""
+  extra = None
+  if args.alibi_slopes is not None:
+    q_pos = args.q_offset + jnp.arange(t, dtype=jnp.int32)[:, None]
+    kv_pos = args.kv_offset + jnp.arange(s, dtype=jnp.int32)[None, :]
+    extra = dropout.alibi(args.alibi_slopes[:, None, None], q_pos, kv_pos)[None]  # [1, h, t, s]
+  if args.bias is not None:
+    bias = args.bias.astype(jnp.float32)
+    while bias.ndim < 4:
+      bias = bias[None]
+    extra = bias if extra is None else extra + bias
+  if extra is None:
+    return None
+  extra = jnp.broadcast_to(extra, (extra.shape[0], extra.shape[1], t, s))
+  if extra.shape[1] == 1 or group == 1:
+    return extra if group == 1 else extra[:, :, None]
+  return _grouped(extra, group)
+
+
 class XlaDense:
   """Dense float32 attention with a custom VJP, laid out for XLA:CPU (see the module docstring)."""
 
@@ -136,8 +182,14 @@ class XlaDense:
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
-    st = _DenseCall(request.scale, request.softcap, group)
+    s = k.shape[1]
+    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate)
     qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
     f32 = [x.astype(jnp.float32) for x in (qg, k, v)]
-    out, lse = _dense(st, *f32, _mask(request, args, group))
+    extra = _extra(args, b, h, t, s, group)
+    keep = None
+    if request.has_dropout:
+      keep = dense_keep(request, args, b, h, t, s)  # [b|1, h|1, t, s]
+      keep = _grouped(keep, group)
+    out, lse = _dense(st, *f32, _mask(request, args, group), extra, keep)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
