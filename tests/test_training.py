@@ -475,3 +475,43 @@ def test_shipped_configs_are_valid(name, devices):
                "t.learning_rate = ", "k.every_steps = "):
     before = source[:source.index(line)].rstrip().splitlines()[-1].strip()
     assert before.startswith("#"), f"{line!r} has no comment above it in config.py"
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "max"])
+def test_evaluate_scores_each_document_once_from_its_windows(aggregation):
+  from flash_layers import data as data_lib
+  from flash_layers.training import evaluate as evaluate_lib
+  from flash_layers.training import sharding as sharding_lib
+  from flash_layers.training import steps as steps_lib
+
+  def logits_fn(params, batch, *, train, rng):  # a window's logits: its mean token id times params
+    mask = batch["segment_ids"][:, None, :] == jnp.arange(1, batch["labels"].shape[1] + 1)[None, :, None]
+    mean_id = (mask * batch["input_ids"][:, None, :]).sum(-1) / jnp.maximum(mask.sum(-1), 1)
+    return mean_id[..., None] * params
+
+  params = jnp.asarray([0.3, -0.2, 0.05], jnp.float32)
+  rng = random.Random(1)
+  texts = [" ".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 60))) for _ in range(23)]
+  labels = [rng.randint(0, 2) for _ in texts]
+  tok = data_lib.TextTokenizer("listops", max_len=16, long_docs="windows", stride=3)
+  windows = tok.encode(texts)
+  assert sum(len(w) > 1 for w in windows) > 10  # most documents are longer than max_len
+  batches = data_lib.eval_batches(texts, labels, tok, batch_size=4, max_docs_per_row=3)
+  mesh = sharding_lib.mesh_from_config(config_lib.default_config())
+  result = evaluate_lib.evaluate(jax.jit(steps_lib.make_eval_step(logits_fn)), params, iter(batches),
+                                 len(batches), mesh, num_labels=3, aggregation=aggregation,
+                                 keep_probabilities=True)
+  # Independently: each window's logits from its token ids, combined per document.
+  per_window = [[np.mean(w) * np.asarray(params, np.float64) for w in ws] for ws in windows]
+  combine = (lambda x: np.mean(x, axis=0)) if aggregation == "mean" else (lambda x: np.max(x, axis=0))
+  doc_logits = np.stack([combine(np.stack(ws)) for ws in per_window])
+  predicted = doc_logits.argmax(-1)
+  assert result["count"] == len(texts) and result["num_windows"] == sum(len(w) for w in windows)
+  assert list(result["doc_ids"]) == list(range(len(texts)))
+  confusion = np.zeros((3, 3), np.int64)
+  for t, p in zip(labels, predicted, strict=True):
+    confusion[t, p] += 1
+  np.testing.assert_array_equal(result["confusion_matrix"], confusion)
+  log_probs = doc_logits - np.log(np.exp(doc_logits).sum(-1, keepdims=True))
+  assert result["loss"] == pytest.approx(-np.mean(log_probs[np.arange(len(texts)), labels]), rel=1e-5)
+  np.testing.assert_allclose(result["probabilities"], np.exp(log_probs), rtol=1e-5)

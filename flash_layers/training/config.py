@@ -76,13 +76,20 @@ def default_config() -> ml_collections.ConfigDict:
   # "" = the pretrained model's directory.
   d.tokenizer = ""
   # Long documents: "truncate" to max_len, or split into "windows" (each window
-  # is then a training example with the document's label).
+  # is then a training example with the document's label; evaluation and
+  # prediction combine a document's windows into one prediction).
   d.long_documents = "truncate"
   d.window_stride = 0  # tokens shared by consecutive windows
-  # Pack several short documents into one row (segment ids keep them apart);
-  # training only, evaluation keeps one document per row.
+  # How a document's window logits are combined: "mean" or elementwise "max".
+  d.window_aggregation = "mean"
+  # Pack several short documents into one training row (segment ids keep them apart).
   d.packing = False
+  # The most documents (or windows) in one packed row, in training and evaluation.
   d.max_docs_per_row = 8
+  # Evaluation and prediction pack documents into rows bucketed by length
+  # (flash_layers.data.eval_plan), so their cost follows the real tokens;
+  # False pads every document to max_len in a row of its own.
+  d.eval_packing = True
   # Shuffle the training data (seeded by config.seed, reshuffled each epoch);
   # False keeps file order.
   d.shuffle = True
@@ -212,6 +219,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _check_position_table(m)
 
   _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
+  _choice(d.window_aggregation, "data.window_aggregation", data_lib.AGGREGATIONS)
+  _positive_int(config, "data.max_docs_per_row")
+  if not isinstance(d.eval_packing, bool):
+    _fail("data.eval_packing", f"must be True or False; got {d.eval_packing!r}")
   _choice(d.eval_split, "data.eval_split", ("dev", "test"))
   if not 0.0 < d.dev_fraction < 1.0:
     _fail("data.dev_fraction", f"must be in (0, 1); got {d.dev_fraction!r}")
