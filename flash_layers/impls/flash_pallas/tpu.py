@@ -51,8 +51,8 @@ from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
 # Block sizes
 # ----------------------------------------------------------------------------
 
-# Defaults per TPU generation. Chosen from the hardware, not tuned on it (these machines have no
-# TPU): large enough that each step's MXU work hides the K/V DMA of the next, small enough that
+# Defaults per TPU generation. Chosen from the hardware's documented limits, not yet tuned on
+# TPU hardware: large enough that each step's MXU work hides the K/V DMA of the next, small enough that
 # the f32 logits tiles and their temporaries (~5 x block_q x block_kv x 4 bytes) stay well inside
 # the default scoped VMEM, 16 MiB on v4/v5e and 32 MiB on v5p/v6e. v5e has the least HBM
 # bandwidth per FLOP, so longer kv blocks there would help most, but bounded VMEM keeps 512.
