@@ -47,14 +47,14 @@ TOPICS = {"sport": ["match", "goal", "team", "win", "player", "score", "league",
 FILLER = ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", "with", "at", "by", "from"]
 
 
-def _write_dataset(root: pathlib.Path) -> pathlib.Path:
+def _write_dataset(root: pathlib.Path, lengths=(8, 40), sizes=(240, 48, 48)) -> pathlib.Path:
   rng = random.Random(0)
   root.mkdir(parents=True, exist_ok=True)
-  for split, n in (("train", 240), ("dev", 48), ("test", 48)):
+  for split, n in zip(("train", "dev", "test"), sizes, strict=True):
     with open(root / f"{split}.jsonl", "w") as f:
       for _ in range(n):
         label = rng.choice(sorted(TOPICS))
-        length = rng.randint(8, 40)
+        length = rng.randint(*lengths)
         words = [rng.choice(TOPICS[label] if rng.random() < 0.3 else FILLER) for _ in range(length)]
         f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
   return root
@@ -313,6 +313,27 @@ def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):
   assert all(sum(p["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for p in predictions)
 
 
+def test_windows_eval_and_predict_give_one_entry_per_document(reference_run, tmp_path):
+  # Documents of 70-200 words, each several 64-token windows: metrics, the confusion matrix and
+  # predictions.jsonl count documents, each predicted from the mean of its windows' logits.
+  import shutil
+  workdir = shutil.copytree(reference_run, tmp_path / "run")
+  long_data = _write_dataset(tmp_path / "long", lengths=(70, 200), sizes=(30, 12, 20))
+  docs = tmp_path / "docs.jsonl"
+  texts = [" ".join(["match goal team the of win"] * 30), "bread soup taste",
+           " ".join(["software chip and data code in it"] * 25)]
+  docs.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+  _run("eval.py", workdir, long_data, *KILL_RUN, "--config.data.eval_split=test", "--checkpoint=best",
+       "--config.data.long_documents=windows", "--config.data.window_stride=8", f"--predict={docs}")
+  report = json.loads((workdir / "eval_metrics.json").read_text())
+  assert report["num_examples"] == 20 and np.sum(report["confusion_matrix"]) == 20
+  assert report["num_windows"] > 2 * 20
+  assert report["accuracy"] > 0.8
+  predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").read_text().splitlines()]
+  assert [p["id"] for p in predictions] == [0, 1, 2]
+  assert [p["prediction"] for p in predictions] == ["sport", "food", "tech"]
+
+
 def test_sigterm_then_sigkill_then_resume_gives_identical_losses(reference_run, dataset, tmp_path):
   # SIGTERM: the run saves at the step it is on and exits 0.
   process = _start("train.py", tmp_path, dataset, *KILL_RUN)
@@ -364,9 +385,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_reach_the_loss_of_one(dataset, tmp_path):
-  # No shuffling or dropout: each global batch then holds the same documents however the
-  # rows are split between processes, and the mean loss may differ only by summation order.
-  common = ["--config.train.num_steps=8", "--config.train.eval_every=0", "--config.data.shuffle=False",
+  # One global shuffle dealt out to the processes: each global batch holds the same documents
+  # however its rows are split, and without dropout the mean loss differs only by summation order.
+  common = ["--config.train.num_steps=8", "--config.train.eval_every=0",
             "--config.model.dropout_rate=0.0", "--config.checkpoint.every_steps=4"]
   _run("train.py", tmp_path / "one", dataset, *common, devices=4)
   port = _free_port()
