@@ -313,6 +313,22 @@ def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):
   assert all(sum(p["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for p in predictions)
 
 
+def test_long_docs_config_smoke_trains_on_one_cpu_device(tmp_path):
+  # configs/long_docs.py as shipped (built-in BBC News, packing, bf16, remat), shrunk only in
+  # steps, row length and batch so CI stays fast; the full 4,096 tokens run the same code.
+  result = subprocess.run(
+    [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/long_docs.py"),
+     "--workdir", str(tmp_path), "--config.train.num_steps=2", "--config.model.max_len=256",
+     "--config.train.batch_size=2", "--config.train.eval_max_batches=1", "--config.data.num_workers=0"],
+    env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+  assert result.returncode == 0, result.stderr[-4000:]
+  losses = _losses(tmp_path)
+  assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+  dev = metrics_lib.read_metrics(str(tmp_path), "dev")
+  assert dev[-1]["step"] == 2 and dev[-1]["count"] >= 2
+  assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
 def test_windows_eval_and_predict_give_one_entry_per_document(reference_run, tmp_path):
   # Documents of 70-200 words, each several 64-token windows: metrics, the confusion matrix and
   # predictions.jsonl count documents, each predicted from the mean of its windows' logits.
@@ -477,8 +493,9 @@ def test_gradient_accumulation_matches_one_big_batch():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 8),
-                                          ("tpu_pod", 64), ("tiny", 1)])
+@pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 1),
+                                          ("long_docs", 8), ("modernbert_long", 8), ("tpu_pod", 64),
+                                          ("tiny", 1)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:
