@@ -26,8 +26,9 @@ __all__ = ["AUTO", "Explanation", "attention", "explain"]
 def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
               causal: bool = False, segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None,
-              window: int | tuple[int, int] | None = None, scale: float | None = None,
-              softcap: float | None = None, block_sizes: Any = None, mesh: Any = None) -> jax.Array:
+              window: int | tuple[int, int] | None = None, global_tokens: int = 0,
+              scale: float | None = None, softcap: float | None = None, block_sizes: Any = None,
+              mesh: Any = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -40,6 +41,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       (padding is an id of its own, e.g. 0).
     kv_segment_ids: int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     window: (left, right) or w for (w, w): query i sees keys i - left ... i + right.
+    global_tokens: g > 0 (needs a window): the first g tokens of each document attend, and are
+      attended by, the whole document despite the window (Longformer's global attention).
+      Positions restart at 0 where the segment id changes; without segment ids the sequence is
+      one document. Causal and segment ids still apply. Block-sparse like the window.
     scale: logit scale; head_dim ** -0.5 by default.
     softcap: c > 0 -> logits = c * tanh(logits / c).
     block_sizes: flash_pallas tile sizes (see its BlockSizes); None for the defaults.
@@ -55,7 +60,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
   dispatch.check_impl(impl)
   request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
-                          softcap=softcap, block_sizes=block_sizes)
+                          softcap=softcap, block_sizes=block_sizes, global_tokens=global_tokens)
   mesh = sharded.resolve_mesh(mesh)
   if mesh is not None:
     plan = sharded.make_plan(request, mesh)

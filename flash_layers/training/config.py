@@ -42,6 +42,12 @@ def default_config() -> ml_collections.ConfigDict:
   m.position_extension = "repeat"
   # How many times the pretrained position table may be extended.
   m.max_position_extension = 16
+  # Longformer-style sparse attention for BERT/RoBERTa models: None = full
+  # attention; w = each token sees w // 2 tokens on either side. With it,
+  # global_tokens = g: each document's first g tokens (its [CLS] for 1) attend,
+  # and are attended by, the whole document.
+  m.attention_window = placeholder(int)
+  m.global_tokens = 0
   # Document representation fed to the classifier: "cls" or "mean" (mean over
   # the document's tokens, masked by segment ids).
   m.pooling = "cls"
@@ -187,6 +193,12 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _choice(m.pooling, "model.pooling", models.POOLINGS)
   _choice(m.dtype, "model.dtype", tuple(models.DTYPES))
   _choice(m.position_extension, "model.position_extension", models.POSITION_EXTENSIONS)
+  if m.attention_window is not None and (not isinstance(m.attention_window, int) or m.attention_window < 2):
+    _fail("model.attention_window", f"must be None or an int >= 2; got {m.attention_window!r}")
+  _positive_int(config, "model.global_tokens", allow_zero=True)
+  if m.global_tokens and m.attention_window is None:
+    _fail("model.global_tokens", f"{m.global_tokens} needs model.attention_window (global tokens waive "
+          "the window)")
   if not 0.0 <= m.dropout_rate < 1.0:
     _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
 

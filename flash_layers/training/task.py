@@ -146,6 +146,8 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   m = config.model
   common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype],
                 remat=m.remat)
+  if m.attention_window is not None:  # only BERT/RoBERTa take these (ModernBERT: its config's window)
+    common.update(attention_window=m.attention_window, global_tokens=m.global_tokens)
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
                                            position_extension=m.position_extension, seed=config.seed,
