@@ -3,9 +3,10 @@
     python -m benchmarks.eval_cost --json benchmarks/results/eval-cost-cpu.json
     python -m benchmarks.eval_cost --max-lens 512 --batch-size 4      # quicker
 
-The model is all-MiniLM-L6-v2 (its 512 positions repeated up to max_len, as configs/long_docs.py)
-with a 5-class head, impl "auto", float32, run through the training stack's own evaluation
-(`training.evaluate.evaluate` over `data.eval_batches`). Each case:
+The model is all-MiniLM-L6-v2's shape (hidden 384, 12 heads, MLP 1,536, `--layers` of 6; random
+weights: the cost does not depend on them) with a 5-class head and a position table of max_len rows,
+impl "auto", float32, run through the training stack's own evaluation (`training.evaluate.evaluate`
+over `data.eval_batches`) on MiniLM's tokenization of the split. Each case:
 
   packed:  the default: documents packed into rows bucketed by length (data.eval_plan);
   padded:  one document per row, every row padded to max_len (evaluation before packing).
@@ -13,8 +14,7 @@ with a 5-class head, impl "auto", float32, run through the training stack's own 
 The time is process CPU time (all of XLA's threads), not wall time, so a busy machine changes it
 little. Each case first runs one batch of every row shape (compiles; reported apart), then the
 whole split once (timed). Also reported: the real-token fraction of the evaluated rows, the
-number of batches and of distinct row lengths. The weights are MiniLM's with a random head; the
-cost does not depend on them.
+number of batches and of distinct row lengths.
 """
 
 from __future__ import annotations
@@ -32,11 +32,13 @@ from flash_layers.parallel.mesh import make_mesh
 from flash_layers.training import evaluate as evaluate_lib
 from flash_layers.training import steps as steps_lib
 
+MINILM = dict(vocab_size=30522, hidden_size=384, num_heads=12, mlp_dim=1536)  # all-MiniLM-L6-v2's shape
 
-def run_case(max_len: int, mode: str, batch_size: int, max_docs: int, texts, labels) -> dict:
-  model, params = models.from_pretrained("minilm", max_len=max_len, num_labels=5, impl="auto",
-                                         pooling="mean", dropout_rate=0.0)
-  params = jax.device_put(params)
+
+def run_case(max_len: int, mode: str, batch_size: int, max_docs: int, num_layers: int, texts, labels) -> dict:
+  model = models.Bert(**MINILM, num_layers=num_layers, max_len=max_len, num_labels=5, impl="auto",
+                      pooling="mean", dropout_rate=0.0)
+  params = models.init_params(model, jax.random.key(0))
   tokenizer = data.TextTokenizer("minilm", max_len=max_len)
   packed = mode == "packed"
   batches = data.eval_batches(texts, labels, tokenizer, batch_size=batch_size, max_docs_per_row=max_docs,
@@ -57,7 +59,8 @@ def run_case(max_len: int, mode: str, batch_size: int, max_docs: int, texts, lab
   start, wall = time.process_time(), time.perf_counter()
   result = evaluate_lib.evaluate(step, params, iter(batches), len(batches), mesh, num_labels=5)
   cpu_s, wall_s = time.process_time() - start, time.perf_counter() - wall
-  return {"max_len": max_len, "mode": mode, "batch_size": batch_size, "max_docs_per_row": max_docs,
+  return {"max_len": max_len, "mode": mode, "num_layers": num_layers, "batch_size": batch_size,
+          "max_docs_per_row": max_docs,
           "documents": result["count"], "batches": len(batches),
           "row_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
           "real_tokens": int(sum(np.count_nonzero(b["segment_ids"]) for b in batches)),
@@ -74,6 +77,8 @@ def main(argv=None):
                  help="packed and/or padded; padded runs at the smallest max_len only")
   p.add_argument("--batch-size", type=int, default=8)
   p.add_argument("--max-docs", type=int, default=8)
+  p.add_argument("--layers", type=int, default=6,
+                 help="encoder layers (MiniLM: 6; all alike, so the 512/4,096 ratio does not depend on it)")
   p.add_argument("--json", metavar="PATH")
   args = p.parse_args(argv)
   records = data.load("bbc_news", split="test")
@@ -84,7 +89,7 @@ def main(argv=None):
     cases.insert(0, (lengths[0], "padded"))
   rows = []
   for max_len, mode in cases:
-    rows.append(run_case(max_len, mode, args.batch_size, args.max_docs, texts, labels))
+    rows.append(run_case(max_len, mode, args.batch_size, args.max_docs, args.layers, texts, labels))
     print(json.dumps(rows[-1]), flush=True)
   packed = {r["max_len"]: r for r in rows if r["mode"] == "packed"}
   summary = {}
