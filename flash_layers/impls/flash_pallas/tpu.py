@@ -197,11 +197,16 @@ def _interpret_arg(interpret: bool):
   is the CPU branch of the dispatcher's `platform_dependent`, next to the compiled TPU branch;
   InterpretParams' io callbacks carry an ordered effect that the TPU branch lacks, and JAX then
   fails to lower the TPU branch alone. The plain interpreter (`True`) has no effects.
+
+  Inside a `shard_map` over several devices the plain interpreter is used too: InterpretParams
+  holds every device at a barrier when a kernel starts, while its callbacks copy their arguments
+  through CPU device 0, whose stream may be the one held at the barrier -- a deadlock on a
+  multi-device CPU host (seen with GQA under an 8-device data mesh).
   """
   if not interpret:
     return False
   params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
-  if params is None or lowering.interpreting() != "tpu":
+  if params is None or lowering.interpreting() != "tpu" or lowering.manual_device_count() > 1:
     return True
   return params()
 
