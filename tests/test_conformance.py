@@ -39,6 +39,7 @@ CASES = [
     ("reference", None),
     ("xla_native", None),
     ("xla_chunked", None),
+    ("xla_dense", None),
     ("flash_pallas", "tpu"),
     ("flash_pallas", "gpu"),
 ]

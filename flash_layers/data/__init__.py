@@ -15,7 +15,7 @@ import pathlib
 from flash_layers.data import bbc, listops
 from flash_layers.data.eval_plan import AGGREGATIONS, aggregate_logits, eval_batches, length_buckets
 from flash_layers.data.pipeline import make_batches, pack_rows
-from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records, read
+from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records, read, read_documents
 from flash_layers.data.tokenize import LONG_DOCS, TextTokenizer, listops_tokenizer, load_tokenizer
 
 BUILTIN = ("bbc_news", "listops")
@@ -52,4 +52,4 @@ def load(name_or_path: str | pathlib.Path, split: str = "train", **options) -> R
 
 __all__ = ["AGGREGATIONS", "BUILTIN", "LONG_DOCS", "SPLITS", "DataError", "LabelVocab", "Records",
            "TextTokenizer", "aggregate_logits", "eval_batches", "length_buckets", "listops_tokenizer", "load",
-           "load_tokenizer", "make_batches", "pack_rows", "read"]
+           "load_tokenizer", "make_batches", "pack_rows", "read", "read_documents"]

@@ -2,7 +2,7 @@
 
 The files in configs/ start from `default_config()` and change what their task
 needs; `validate()` checks a finished config before anything is compiled, so a
-bad value is a ValueError naming the field, not a traceback from inside JAX.
+bad value is a `ConfigError` naming the field, not a traceback from inside JAX.
 """
 
 from __future__ import annotations
@@ -14,7 +14,9 @@ from ml_collections.config_dict import placeholder
 
 from flash_layers import data as data_lib
 from flash_layers import models
+from flash_layers.errors import UserError
 from flash_layers.impls import IMPLS
+from flash_layers.parallel.mesh import AXES, resolve_mesh, slice_count
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -28,7 +30,7 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.model = m = ml_collections.ConfigDict()
   # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
-  # ("reference", "xla_native", "xla_chunked", "flash_pallas").
+  # ("reference", "xla_native", "xla_chunked", "xla_dense", "flash_pallas").
   m.impl = "auto"
   # Tokens per row. Beyond the checkpoint's position table (512 for BERT) the
   # learned positions are extended (see position_extension), up to
@@ -140,12 +142,19 @@ def default_config() -> ml_collections.ConfigDict:
   # Dev metric that selects the best checkpoint, kept apart in workdir/best.
   k.best_metric = "accuracy"  # "accuracy", "macro_f1" or "loss" (lower is better)
 
-  # Device mesh axis sizes; -1 = all remaining devices.
+  # Device mesh axis sizes within one slice (all devices when there is one);
+  # -1 = all remaining devices of the slice.
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1
   ms.fsdp = 1
   ms.tensor = 1
   ms.sequence = 1
+  # Several TPU slices joined by the data-center network (DCN): how the slices
+  # split between data and fsdp (the mesh's data axis is dcn_data x data, fsdp
+  # likewise); dcn_data x dcn_fsdp = number of slices, -1 = the rest of them.
+  # Tensor and sequence never span slices.
+  ms.dcn_data = 1
+  ms.dcn_fsdp = 1
 
   # Trace this many steps with jax.profiler into workdir/profile (0 = off),
   # starting at step profile_start (after compilation).
@@ -162,8 +171,12 @@ BUILTIN_DATASETS = ("bbc_news", "listops")
 BEST_METRICS = ("accuracy", "macro_f1", "loss")
 
 
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work; the message starts with the field (`config.train.num_steps: ...`)."""
+
+
 def _fail(field: str, message: str):
-  raise ValueError(f"config.{field}: {message}")
+  raise ConfigError(f"config.{field}: {message}")
 
 
 def _positive_int(config, field: str, *, allow_zero: bool = False):
@@ -175,16 +188,23 @@ def _positive_int(config, field: str, *, allow_zero: bool = False):
     _fail(field, f"must be an integer {'>= 0' if allow_zero else '> 0'}; got {value!r}")
 
 
+def _optional_positive_int(config, field: str):
+  section, name = field.split(".")
+  if config[section][name] is not None:
+    _positive_int(config, field)
+
+
 def _choice(value, field: str, allowed):
   if value not in allowed:
     _fail(field, f"must be one of {tuple(allowed)}; got {value!r}")
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
-             check_data: bool = True) -> None:
-  """Raise ValueError naming the first bad field. Runs before any compilation.
+             num_slices: int | None = None, check_data: bool = True) -> None:
+  """Raise ConfigError (a ValueError) naming the first bad field. Runs before any compilation.
 
   num_devices: devices the mesh must tile (default: jax.device_count()).
+  num_slices: how many slices they form (default: from jax.devices()' slice_index).
   check_data: False for the TPU dry run, which never reads data.
   """
   m, t, d, k = config.model, config.train, config.data, config.checkpoint
@@ -201,6 +221,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
           "the window)")
   if not 0.0 <= m.dropout_rate < 1.0:
     _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
+  if m.pretrained is None:
+    for size in ("num_layers", "hidden_size", "num_heads", "mlp_dim"):
+      _positive_int(config, f"model.{size}")
+  _optional_positive_int(config, "model.vocab_size")
+  _optional_positive_int(config, "model.num_labels")
 
   _positive_int(config, "train.num_steps")
   _positive_int(config, "train.batch_size")
@@ -236,6 +261,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   if not isinstance(d.eval_packing, bool):
     _fail("data.eval_packing", f"must be True or False; got {d.eval_packing!r}")
   _choice(d.eval_split, "data.eval_split", ("dev", "test"))
+  _positive_int(config, "data.window_stride", allow_zero=True)
+  _positive_int(config, "data.max_docs_per_row")
+  _positive_int(config, "data.num_workers", allow_zero=True)
+  _optional_positive_int(config, "data.eval_batch_size")
   if not 0.0 < d.dev_fraction < 1.0:
     _fail("data.dev_fraction", f"must be in (0, 1); got {d.dev_fraction!r}")
   if check_data and d.dataset not in BUILTIN_DATASETS and not os.path.exists(d.dataset):
@@ -246,7 +275,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _fail("data.tokenizer", f"{d.tokenizer!r} does not exist (use 'minilm', 'listops', a tokenizer.json "
           "or a directory holding one)")
 
-  _validate_mesh(config, num_devices)
+  _validate_mesh(config, num_devices, num_slices)
 
 
 def _check_position_table(m):
@@ -261,36 +290,29 @@ def _check_position_table(m):
           f"extended to ({table} x model.max_position_extension={m.max_position_extension} = {limit})")
 
 
-def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Resolve -1 in config.mesh; ValueError naming the field if sizes don't tile the devices."""
-  sizes = {axis: config.mesh[axis] for axis in ("data", "fsdp", "tensor", "sequence")}
-  free = [axis for axis, size in sizes.items() if size == -1]
-  for axis, size in sizes.items():
-    if size != -1 and (not isinstance(size, int) or size < 1):
-      _fail(f"mesh.{axis}", f"must be a positive integer or -1; got {size!r}")
-  if len(free) > 1:
-    _fail(f"mesh.{free[1]}", f"only one mesh axis may be -1; got -1 for {free}")
-  fixed = 1
-  for size in sizes.values():
-    fixed *= size if size != -1 else 1
-  if free:
-    if num_devices % fixed:
-      _fail(f"mesh.{free[0]}", f"the other axes' product {fixed} does not divide the "
-            f"{num_devices} devices")
-    sizes[free[0]] = num_devices // fixed
-  elif fixed != num_devices:
-    _fail("mesh", f"data*fsdp*tensor*sequence = {fixed} must equal the {num_devices} devices "
-          f"(sizes {sizes}; use -1 for one axis to take the rest)")
-  return sizes
+def mesh_shape(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+  """config.mesh resolved for `make_mesh`: the per-slice sizes and the DCN sizes, -1s replaced.
+
+  ConfigError naming the field when the sizes do not tile `num_slices` slices of
+  num_devices / num_slices devices each, or when tensor or sequence would span slices.
+  """
+  ms = config.mesh
+  try:
+    return resolve_mesh({axis: ms[axis] for axis in AXES}, {"dcn_data": ms.dcn_data, "dcn_fsdp": ms.dcn_fsdp},
+                        num_devices, num_slices, field="config.mesh.{}")
+  except ValueError as e:  # the shared resolver names the field; here it is the user's config
+    raise ConfigError(str(e)) from None
 
 
-def _validate_mesh(config, num_devices):
+def _validate_mesh(config, num_devices, num_slices):
   if num_devices is None:
     import jax
-    num_devices = jax.device_count()
-  sizes = mesh_shape(config, num_devices)
+    devices = jax.devices()
+    num_devices, num_slices = len(devices), num_slices or slice_count(devices)
+  num_slices = num_slices or 1
+  sizes = mesh_shape(config, num_devices, num_slices)
   t, m = config.train, config.model
-  batch_shards = sizes["data"] * sizes["fsdp"]
+  batch_shards = sizes["data"] * sizes["fsdp"] * sizes["dcn_data"] * sizes["dcn_fsdp"]
   micro = t.batch_size // t.grad_accum_steps
   if micro % batch_shards:
     _fail("train.batch_size", f"each micro-batch (batch_size {t.batch_size} / grad_accum_steps "

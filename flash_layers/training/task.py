@@ -21,6 +21,7 @@ from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import eval_plan, readers
 from flash_layers.training import steps as steps_lib
+from flash_layers.training.config import ConfigError
 
 log = logging.getLogger("flash_layers.training")
 
@@ -90,8 +91,8 @@ def tokenizer_path(config: ml_collections.ConfigDict) -> str:
     return "listops"
   if config.model.pretrained:
     return str(models.assets.checkpoint_dir(config.model.pretrained))
-  raise ValueError("config.data.tokenizer: needed when training from scratch on text "
-                   "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
+  raise ConfigError("config.data.tokenizer: needed when training from scratch on text "
+                    "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
 
 
 def make_tokenizer(config) -> data_lib.TextTokenizer:
@@ -101,8 +102,8 @@ def make_tokenizer(config) -> data_lib.TextTokenizer:
 
 def local_batch_size(global_batch: int) -> int:
   if global_batch % jax.process_count():
-    raise ValueError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
-                     "processes")
+    raise ConfigError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
+                      "processes")
   return global_batch // jax.process_count()
 
 
@@ -155,7 +156,7 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
     return model, jax.tree.map(np.asarray, params)
   vocab_size = m.vocab_size or vocab_size
   if not vocab_size:
-    raise ValueError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
+    raise ConfigError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
   model = models.Bert(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
                       num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len, num_labels=num_labels,
                       **common)
@@ -177,8 +178,8 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   tokenizer = make_tokenizer(config)
   label_names = list(train_records.vocab.names)
   if config.model.num_labels and config.model.num_labels != len(label_names):
-    raise ValueError(f"config.model.num_labels={config.model.num_labels} but the training data has "
-                     f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
+    raise ConfigError(f"config.model.num_labels={config.model.num_labels} but the training data has "
+                      f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
   model, pretrained = build_model(config, len(label_names), tokenizer.vocab_size)
   seq_len = config.model.max_len
 
@@ -193,11 +194,17 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
       max_docs_per_row=d.max_docs_per_row if d.packing else None, shuffle=d.shuffle, seed=config.seed,
       num_epochs=None, num_workers=d.num_workers)
 
+  # The split evaluated (dev while training, data.eval_split in eval.py) is read now: a mistake in
+  # its file then stops the run before anything compiles, not at the first evaluation.
+  records = {"train": train_records}
+  first_eval = "dev" if with_train_data else config.data.eval_split
+  records[first_eval] = load_split(config, first_eval)
+
   def eval_batches(split: str, max_batches: int | None = None):
-    records = load_split(config, split) if split != "train" else train_records
-    chosen = sample_documents(records, max_batches, eval_batch_size(config))
-    batches = planned_eval_batches(config, [records[i]["text"] for i in chosen],
-                                   [records[i]["label"] for i in chosen], tokenizer, mesh)
+    split_records = records[split] if split in records else load_split(config, split)
+    chosen = sample_documents(split_records, max_batches, eval_batch_size(config))
+    batches = planned_eval_batches(config, [split_records[i]["text"] for i in chosen],
+                                   [split_records[i]["label"] for i in chosen], tokenizer, mesh)
     return iter(batches), len(batches)
 
   def predict_batches(texts: list[str]) -> list[dict]:
