@@ -26,8 +26,8 @@ __all__ = ["AUTO", "Explanation", "attention", "explain"]
 def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
               causal: bool = False, segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None,
-              window: int | tuple[int, int] | None = None, scale: float | None = None,
-              softcap: float | None = None, dropout_rate: float = 0.0,
+              window: int | tuple[int, int] | None = None, global_tokens: int = 0,
+              scale: float | None = None, softcap: float | None = None, dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
               alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
               block_sizes: Any = None, mesh: Any = None) -> jax.Array:
@@ -43,6 +43,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       (padding is an id of its own, e.g. 0).
     kv_segment_ids: int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
     window: (left, right) or w for (w, w): query i sees keys i - left ... i + right.
+    global_tokens: g > 0 (needs a window): the first g tokens of each document attend, and are
+      attended by, the whole document despite the window (Longformer's global attention).
+      Positions restart at 0 where the segment id changes; without segment ids the sequence is
+      one document. Causal and segment ids still apply. Block-sparse like the window.
     scale: logit scale; head_dim ** -0.5 by default.
     softcap: c > 0 -> logits = c * tanh(logits / c).
     dropout_rate: in [0, 1): after the softmax each probability is kept with probability
@@ -72,9 +76,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
   dispatch.check_impl(impl)
   request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
-                          softcap=softcap, block_sizes=block_sizes, dropout_rate=dropout_rate,
-                          dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast,
-                          alibi_slopes=alibi_slopes, bias=bias)
+                          softcap=softcap, block_sizes=block_sizes, global_tokens=global_tokens,
+                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                          dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes, bias=bias)
   mesh = sharded.resolve_mesh(mesh)
   if mesh is not None:
     plan = sharded.make_plan(request, mesh)

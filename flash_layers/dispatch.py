@@ -160,16 +160,26 @@ def check_impl(impl: str) -> None:
 
 def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids=None,
             window=None, scale=None, softcap=None, block_sizes=None, dense_mask=None,
-            q_offset=0, kv_offset=0, dropout_rate=0.0, dropout_rng=None, dropout_broadcast=False,
-            alibi_slopes=None, bias=None) -> tuple[Request, Args]:
-  """Validate a call; return its static Request and array Args."""
+            q_offset=0, kv_offset=0, global_tokens=0, dropout_rate=0.0, dropout_rng=None,
+            dropout_broadcast=False, alibi_slopes=None, bias=None) -> tuple[Request, Args]:
+  """Validate a call; return its static Request and array Args (with global tokens, the segment
+  ids are encoded here, on the whole sequence: masks.encode_global)."""
   _check_qkv(query, key, value)
   b, t, h, d = query.shape
   s, kvh, dv = key.shape[1], key.shape[2], value.shape[3]
   q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
   if not isinstance(causal, bool):
     raise TypeError(f"causal must be a bool; got {causal!r}")
-  spec = masks.MaskSpec(causal=causal, window=masks.normalize_window(window))
+  window = masks.normalize_window(window)
+  if isinstance(global_tokens, bool) or not isinstance(global_tokens, (int, np.integer)) or global_tokens < 0:
+    raise ValueError(f"global_tokens must be an int >= 0; got {global_tokens!r}")
+  if global_tokens and window is None:
+    raise ValueError(f"global_tokens={global_tokens} needs a window (global tokens waive the window; "
+                     "without one every token already sees its whole document)")
+  spec = masks.MaskSpec(causal=causal, window=window, global_tokens=int(global_tokens))
+  if spec.global_tokens and q_seg is not None:
+    q_seg, kv_seg = masks.encode_global(q_seg, spec.global_tokens), masks.encode_global(kv_seg,
+                                                                                        spec.global_tokens)
   scale = _check_scalar("scale", scale, positive=False)
   softcap = _check_scalar("softcap", softcap, positive=True)
   if dense_mask is not None:

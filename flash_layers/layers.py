@@ -108,7 +108,8 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids):
   """`fl.attention` with the layer's attention fields."""
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                       window=layer.window, scale=layer.scale, softcap=layer.softcap,
+                       window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
+                       scale=layer.scale, softcap=layer.softcap,
                        block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None))
 
 
@@ -178,7 +179,7 @@ class MultiHeadAttention(nn.Module):
     out_features: output features; None for the features of inputs_q.
     impl: one of `fl.IMPLS` or "auto" (see `fl.explain`); an explicit impl that
       cannot serve a call raises `fl.UnsupportedError`.
-    causal, window, softcap, scale, block_sizes: as in `fl.attention`.
+    causal, window, global_tokens, softcap, scale, block_sizes: as in `fl.attention`.
     rope_theta: rotary position embeddings (`flash_layers.rotary`) with this base, applied to
       the projected queries and keys before attention; None (default) for none.
     mesh: as in `fl.attention`: a mesh (`fl.parallel.make_mesh`) to shard the
@@ -199,6 +200,7 @@ class MultiHeadAttention(nn.Module):
   impl: str = dispatch.AUTO
   causal: bool = False
   window: int | tuple[int, int] | None = None
+  global_tokens: int = 0
   softcap: float | None = None
   scale: float | None = None
   block_sizes: Any = None

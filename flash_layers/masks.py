@@ -7,6 +7,17 @@ attend key j":
 * ``causal``           -> kv_pos <= q_pos
 * ``window=(l, r)``    -> q_pos - l <= kv_pos <= q_pos + r
 * segment ids          -> q_segment_ids[i] == kv_segment_ids[j]
+* ``global_tokens=g``  -> with a window, the window is waived when doc_pos(i) < g or
+                          doc_pos(j) < g (Longformer's global attention); causal and segment
+                          ids still apply. doc_pos is the position within the document: it
+                          restarts at 0 where the segment id changes (the global position
+                          without segment ids).
+
+With global tokens and segment ids the impls receive *encoded* segment ids,
+``2 * id + (doc_pos < g)`` (`encode_global`, done once in `dispatch.prepare` on the
+whole sequence), so the flag travels wherever segment ids already go: kernel
+tiles, xla_chunked's chunks, the ring's rotating kv shards. `visible` and
+`block_map` decode it; no impl needs an extra operand.
 
 Positions are *global*: ``q_pos = q_offset + i`` and ``kv_pos = kv_offset + j``.
 Offsets are 0 for an ordinary call; ring attention passes the offsets of the
@@ -56,6 +67,7 @@ class MaskSpec:
 
   causal: bool = False
   window: tuple[int, int] | None = None
+  global_tokens: int = 0  # > 0 only with a window; segment ids are then encoded (encode_global)
 
   def describe(self, has_segments: bool) -> str:
     parts = []
@@ -63,6 +75,8 @@ class MaskSpec:
       parts.append("causal")
     if self.window is not None:
       parts.append(f"window={self.window}")
+    if self.global_tokens:
+      parts.append(f"global_tokens={self.global_tokens}")
     if has_segments:
       parts.append("segments")
     return "+".join(parts) or "full"
@@ -77,12 +91,35 @@ def visible(q_pos, kv_pos, spec: MaskSpec, q_seg=None, kv_seg=None):
   ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(kv_pos)), dtype=bool)
   if spec.causal:
     ok = ok & (kv_pos <= q_pos)
+  if spec.global_tokens and q_seg is not None:
+    q_global, kv_global = (q_seg & 1) == 1, (kv_seg & 1) == 1
+    q_seg, kv_seg = q_seg >> 1, kv_seg >> 1
+  elif spec.global_tokens:
+    q_global, kv_global = q_pos < spec.global_tokens, kv_pos < spec.global_tokens
   if spec.window is not None:
     left, right = spec.window
-    ok = ok & (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+    in_window = (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right)
+    if spec.global_tokens:
+      in_window = in_window | q_global | kv_global
+    ok = ok & in_window
   if q_seg is not None:
     ok = ok & (q_seg == kv_seg)
   return ok
+
+
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+  """[batch, len] position of each token in its document: 0 where the segment id changes."""
+  length = segment_ids.shape[-1]
+  index = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), segment_ids.shape)
+  starts = jnp.concatenate([jnp.ones_like(segment_ids[:, :1], bool),
+                            segment_ids[:, 1:] != segment_ids[:, :-1]], axis=1)
+  return index - jax.lax.cummax(jnp.where(starts, index, 0), axis=1)
+
+
+def encode_global(segment_ids: jax.Array, global_tokens: int) -> jax.Array:
+  """Segment ids with the global flag in the lowest bit: 2 * id + (doc_pos < global_tokens)."""
+  flag = (document_positions(segment_ids) < global_tokens).astype(jnp.int32)
+  return segment_ids.astype(jnp.int32) * 2 + flag
 
 
 def dense_mask(q_len: int, kv_len: int, spec: MaskSpec, q_segment_ids=None,
@@ -172,11 +209,28 @@ def block_map(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSp
   if spec.causal:
     vis &= ks <= qe
     full &= ke <= qs
+  g = spec.global_tokens if spec.window is not None else 0
   if spec.window is not None:
     left, right = spec.window
-    vis &= (ks <= qe + right) & (ke >= qs - left)
-    full &= (ks >= qe - left) & (ke <= qs + right)
+    in_band = (ks <= qe + right) & (ke >= qs - left)
+    band_full = (ks >= qe - left) & (ke <= qs + right)
+    if not g:
+      vis &= in_band
+      full &= band_full
   vis, full = vis[None], full[None]
+  if g:
+    # The window is waived for blocks holding a global query or key (any: visible; all: full).
+    if q_segment_ids is None:  # global by position
+      q_any, q_all, kv_any, kv_all = qs < g, qe < g, ks < g, ke < g
+    else:  # global by document position: the flag in the encoded ids' lowest bit
+      q_flag, kv_flag = q_segment_ids & 1, kv_segment_ids & 1
+      q_segment_ids, kv_segment_ids = q_segment_ids >> 1, kv_segment_ids >> 1
+      q_any = (-_block_ranges(-q_flag, q_len, block_q)[0] > 0)[:, :, None]  # max over real positions
+      q_all = (_block_ranges(q_flag, q_len, block_q)[0] > 0)[:, :, None]
+      kv_any = (-_block_ranges(-kv_flag, kv_len, block_kv)[0] > 0)[:, None, :]
+      kv_all = (_block_ranges(kv_flag, kv_len, block_kv)[0] > 0)[:, None, :]
+    vis = vis & (in_band[None] | q_any | kv_any)
+    full = full & (band_full[None] | q_all | kv_all)
   if q_segment_ids is not None:
     q_lo, q_hi = _block_ranges(q_segment_ids, q_len, block_q)
     kv_lo, kv_hi = _block_ranges(kv_segment_ids, kv_len, block_kv)
@@ -212,7 +266,8 @@ def block_stats(batch: int, num_heads: int, q_len: int, kv_len: int, block_q: in
 
 
 def count_visible(q_len: int, kv_len: int, spec: MaskSpec, q_offset: int = 0, kv_offset: int = 0) -> int:
-  """How many (query, key) pairs causal/window leave visible (static; segment ids not counted).
+  """How many (query, key) pairs causal/window leave visible (static; segment ids not counted;
+  with global tokens an upper bound).
 
   The closed form of summing `visible` over a [q_len, kv_len] grid, in O(q_len) NumPy, for cost
   estimates: each query sees the keys of one interval of positions.
@@ -226,4 +281,8 @@ def count_visible(q_len: int, kv_len: int, spec: MaskSpec, q_offset: int = 0, kv
     left, right = spec.window
     lo = np.maximum(lo, q_pos - left)
     hi = np.minimum(hi, q_pos + right)
-  return int(np.maximum(hi - lo + 1, 0).sum())
+  count = int(np.maximum(hi - lo + 1, 0).sum())
+  if spec.global_tokens and spec.window is not None:  # an upper bound: g full rows and columns more
+    g = spec.global_tokens
+    count = min(count + min(g, q_len) * kv_len + q_len * min(g, kv_len), q_len * kv_len)
+  return count

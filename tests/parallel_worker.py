@@ -40,10 +40,13 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
   dropout_alibi: causal_packed_gqa with dropout (rate 0.3) and ALiBi: the mask hashes global
     batch rows, heads and positions, so every mesh must give the unsharded result.
   bias_heads: a dense bias [batch, heads, q, kv], split with q over data and tensor.
+  global_window_packed: a (5, 2) window with 2 global tokens per packed document: the encoded
+    segment ids (global flag in the lowest bit) rotate around the ring.
   """
   rng = np.random.default_rng(seed)
   heads, kv_heads = {"causal_packed_gqa": (4, 2), "window_mqa": (4, 1), "uneven_gqa": (6, 3),
-                     "explicit_mqa": (4, 1), "dropout_alibi": (4, 2), "bias_heads": (4, 2)}[case]
+                     "explicit_mqa": (4, 1), "dropout_alibi": (4, 2), "bias_heads": (4, 2),
+                     "global_window_packed": (4, 2)}[case]
   q = rng.standard_normal((batch, length, heads, head_dim))
   k = rng.standard_normal((batch, length, kv_heads, head_dim))
   v = rng.standard_normal((batch, length, kv_heads, head_dim))
@@ -60,6 +63,8 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
     bounds = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
     for doc, (lo, hi) in enumerate(zip((0, *bounds[:-1]), bounds, strict=True)):
       seg[row, lo:hi] = doc + 1
+  if case == "global_window_packed":
+    return q, k, v, {"window": (5, 2), "global_tokens": 2, "segment_ids": jnp.asarray(seg)}
   kv_seg = np.where(seg == 2, 7, seg)
   kwargs = {"causal": True, "segment_ids": jnp.asarray(seg), "kv_segment_ids": jnp.asarray(kv_seg)}
   if case == "dropout_alibi":
@@ -93,7 +98,8 @@ def relative_errors(actual, expected) -> dict[str, float]:
 
 
 CASES = {"causal_packed_gqa": MESHES, "dropout_alibi": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
-         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),), "bias_heads": ((2, 1, 4, 1),)}
+         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),), "bias_heads": ((2, 1, 4, 1),),
+         "global_window_packed": ((1, 1, 2, 4),)}
 # Cases that test how a call is split, not an impl: run with the reference only.
 PLAN_CASES = ("uneven_gqa", "explicit_mqa", "bias_heads")
 

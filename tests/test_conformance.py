@@ -83,6 +83,7 @@ class Config:
   dropout_broadcast: bool = False
   alibi: bool = False
   bias: tuple[bool, bool, bool, bool] | None = None  # which of [b, h, t, s] the bias has (else 1)
+  global_tokens: int = 0
 
   @property
   def s(self) -> int:
@@ -151,6 +152,16 @@ CONFIGS = [
     Config("softcap", q_len=64, softcap=2.0, input_scale=3.0),
     Config("softcap_causal_gqa_packed", q_len=96, heads=4, kv_heads=2, causal=True, softcap=5.0,
            input_scale=2.0, segments="packed"),
+    # Global tokens (Longformer): the window waived for each document's first tokens.
+    Config("global_window", q_len=200, window=9, global_tokens=2),
+    Config("global_causal_window_packed_batch3", q_len=128, batch=3, causal=True, window=(16, 0),
+           global_tokens=1, segments="packed"),
+    Config("global_window_packed_gqa", q_len=96, heads=4, kv_heads=2, window=5, global_tokens=3,
+           segments="packed"),
+    Config("global_cross_packed", q_len=64, kv_len=100, batch=2, window=(7, 7), global_tokens=2,
+           segments="packed"),
+    Config("global_cross_causal", q_len=40, kv_len=130, heads=2, kv_heads=1, causal=True, window=(4, 0),
+           global_tokens=1),
     Config("scale_small", q_len=64, scale=0.05),
     Config("scale_large_causal", q_len=64, causal=True, scale=0.5),
     # Dropout (tiny: the Pallas kernels run interpreted), ALiBi, dense bias.
@@ -216,7 +227,8 @@ class Problem:
   @property
   def kwargs(self) -> dict:
     cfg = self.cfg
-    kwargs = {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale}
+    kwargs = {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale,
+              "global_tokens": cfg.global_tokens}
     if cfg.dropout:
       kwargs.update(dropout_rate=cfg.dropout, dropout_rng=dropout_key(cfg, self.seed),
                     dropout_broadcast=cfg.dropout_broadcast)
@@ -240,7 +252,8 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
   # Round to the test dtype first, so float64 sees exactly the values the impl sees.
   arrays = tuple(np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in arrays)
   seg = _segment_kwargs(cfg, rng)
-  visible = reference64.mask(b, t, s, causal=cfg.causal, window=cfg.window, **seg)[:, None]
+  visible = reference64.mask(b, t, s, causal=cfg.causal, window=cfg.window,
+                             global_tokens=cfg.global_tokens, **seg)[:, None]
   q, k, v, dout = arrays
   bias = None
   if cfg.bias is not None:
@@ -377,6 +390,9 @@ def test_configs_cover_the_contract():
       lambda c: c.causal, lambda c: c.segments, lambda c: c.window is not None,
       lambda c: c.kvh < c.heads, lambda c: c.q_len != c.s, lambda c: c.dropout_broadcast))
   assert any(c.alibi for c in CONFIGS) and any(c.bias for c in CONFIGS)
+  globals_ = [c for c in CONFIGS if c.global_tokens]
+  assert any(c.causal for c in globals_) and any(c.segments for c in globals_)
+  assert any(c.q_len != c.s for c in globals_) and any(c.heads != c.kvh for c in globals_)
   # Rows with no visible key occur (the zero-output check runs on them).
   assert any(not make_problem(c, "float32").expected["visible_rows"].all() for c in CONFIGS)
 

@@ -315,7 +315,11 @@ def test_shuffling_is_seeded_and_sharding_splits_the_records():
                                         zip(tok.encode([r["text"] for r in records]), records, strict=True)]
   shards = [run(seed=1, process_index=i, process_count=3) for i in range(3)]
   assert all(len(s) == 20 for s in shards)
-  assert collections.Counter(sum(shards, [])) == collections.Counter(run(seed=1, **base))
+  # One global shuffle dealt out: process i holds documents i, i + 3, ... of the 1-process order,
+  # so a global batch holds the same documents for any number of processes.
+  single = run(seed=1, **base)
+  assert [s for i in range(3) for s in shards[i]] != single
+  assert all(shards[i] == single[i::3] for i in range(3))
 
 
 def test_windows_become_documents_with_the_label():
@@ -381,3 +385,71 @@ def test_pipeline_argument_errors():
     data.make_batches(records, tok, batch_size=2, process_index=2, process_count=2)
   with pytest.raises(TypeError, match="TextTokenizer"):
     data.make_batches(records, "listops", batch_size=2)
+
+
+# ----------------------------------------------------------------------------
+# Evaluation batches: every document once, bucketed by length
+# ----------------------------------------------------------------------------
+
+def test_length_buckets_are_a_short_ladder_ending_at_max_len():
+  assert data.length_buckets(512) == (128, 256, 384, 512)
+  assert data.length_buckets(4096)[-5:] == (2048, 2560, 3072, 3584, 4096)
+  assert data.length_buckets(8192, granule=512) == (512, 1024, 1536, 2048, 2560, 3072, 3584, 4096, 5120,
+                                                    6144, 7168, 8192)
+  assert data.length_buckets(32) == (32,)
+  for max_len in (300, 4096, 10000):
+    ladder = data.length_buckets(max_len)
+    assert all(b / a <= 2 for a, b in zip(ladder, ladder[1:], strict=False)) and ladder[-1] == max_len
+
+
+@pytest.mark.parametrize("pack", [False, True])
+def test_eval_batches_hold_every_window_once_with_its_document(pack):
+  records = short_records(70, seed=3) + [{"text": " ".join(["7"] * 45), "label": 2}]
+  tok = data.TextTokenizer("listops", max_len=32, long_docs="windows", stride=2)
+  texts, labels = [r["text"] for r in records], [r["label"] for r in records]
+  batches = data.eval_batches(texts, labels, tok, batch_size=4, max_docs_per_row=3, pack=pack,
+                              buckets=(8, 16, 32))
+  want = collections.Counter((d, tuple(w)) for d, ws in enumerate(tok.encode(texts)) for w in ws)
+  assert max(want.values()) == 1 and sum(n for (d, _), n in want.items() if d == 70) == 2  # 2 windows
+  got = collections.Counter()
+  for batch in batches:
+    assert batch["input_ids"].shape[0] == 4 and batch["input_ids"].shape[1] in (8, 16, 32)
+    doc_ids = batch.pop("doc_ids")
+    layout = documents_in([batch])  # also checks segment ids, positions and labels
+    slots = [(r, d) for r in range(4) for d in range(doc_ids.shape[1]) if doc_ids[r, d] >= 0]
+    assert len(slots) == len(layout)
+    for (r, d), (tokens, label) in zip(slots, layout, strict=True):
+      assert label == labels[doc_ids[r, d]]
+      got[(int(doc_ids[r, d]), tokens)] += 1
+    # The bucket is the smallest that holds the batch's longest row.
+    longest = int((batch["segment_ids"] > 0).sum(axis=1).max())
+    assert batch["input_ids"].shape[1] == min(b for b in (8, 16, 32) if b >= longest)
+  assert got == want
+  fraction = data.eval_plan.real_token_fraction(batches)
+  padded = sum(len(w) for _, w in want) / (32 * -(-len(want) // 4) * 4)  # one window per max_len row
+  assert fraction > padded + 0.2
+
+
+def test_eval_batches_split_one_global_plan_between_processes():
+  records = short_records(41, seed=4)
+  tok = data.TextTokenizer("listops", max_len=32)
+  args = ([r["text"] for r in records], [r["label"] for r in records], tok)
+  single = data.eval_batches(*args, batch_size=6, buckets=(16, 32))
+  shards = [data.eval_batches(*args, batch_size=6, buckets=(16, 32), process_index=i, process_count=3)
+            for i in range(3)]
+  assert all(len(s) == len(single) for s in shards)
+  for step, batch in enumerate(single):
+    for key, value in batch.items():
+      np.testing.assert_array_equal(np.concatenate([s[step][key] for s in shards]), value)
+
+
+def test_aggregate_logits_mean_and_max_per_document():
+  logits = np.array([[[1.0, 0.0], [0.0, 4.0]], [[3.0, -2.0], [9.0, 9.0]]])  # [rows, slots, classes]
+  doc_ids = np.array([[0, 2], [0, -1]])
+  mean, seen = data.aggregate_logits(logits, doc_ids, 4, "mean")
+  np.testing.assert_allclose(mean, [[2.0, -1.0], [0.0, 0.0], [0.0, 4.0], [0.0, 0.0]])
+  np.testing.assert_array_equal(seen, [True, False, True, False])
+  high, _ = data.aggregate_logits(logits, doc_ids, 4, "max")
+  np.testing.assert_allclose(high[[0, 2]], [[3.0, 0.0], [0.0, 4.0]])
+  with pytest.raises(ValueError, match="window_aggregation must be one of"):
+    data.aggregate_logits(logits, doc_ids, 4, "median")

@@ -37,7 +37,8 @@ def problems(draw):
   if kind == "consecutive":
     kv_len = q_len  # self-attention over the same packed row
   window = draw(st.one_of(st.none(), st.tuples(st.integers(0, 40), st.integers(0, 40))))
-  return dict(
+  global_tokens = 0 if window is None else draw(st.sampled_from([0, 0, 1, 3, 20]))
+  return dict(global_tokens=global_tokens,
       q_len=q_len, kv_len=kv_len, block_q=draw(st.sampled_from([1, 8, 13, 16, 32, 128])),
       block_kv=draw(st.sampled_from([1, 8, 16, 24, 32, 128])), causal=draw(st.booleans()),
       window=window, kind=kind, batch=draw(st.integers(1, 3)),
@@ -64,14 +65,17 @@ def segments(p, rng):
 def check_block_map(p):
   rng = np.random.default_rng(p["seed"])
   q_ids, kv_ids = segments(p, rng)
-  spec = masks.MaskSpec(causal=p["causal"], window=p["window"])
+  g = p.get("global_tokens", 0)
+  spec = masks.MaskSpec(causal=p["causal"], window=p["window"], global_tokens=g)
   dense = reference64.mask(p["batch"], p["q_len"], p["kv_len"], causal=p["causal"],
                                  window=p["window"], segment_ids=q_ids, kv_segment_ids=kv_ids,
-                                 q_offset=p["q_offset"], kv_offset=p["kv_offset"])
+                                 q_offset=p["q_offset"], kv_offset=p["kv_offset"], global_tokens=g)
   true_visible, true_full = brute_force(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], dense)
+  # With global tokens the impls see encoded segment ids (dispatch.prepare does this).
+  encode = (lambda ids: masks.encode_global(jnp.asarray(ids), g)) if g else jnp.asarray
   bm = masks.block_map(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], spec,
-                       None if q_ids is None else jnp.asarray(q_ids),
-                       None if kv_ids is None else jnp.asarray(kv_ids), p["q_offset"], p["kv_offset"])
+                       None if q_ids is None else encode(q_ids),
+                       None if kv_ids is None else encode(kv_ids), p["q_offset"], p["kv_offset"])
   visible = np.broadcast_to(np.asarray(bm.visible), true_visible.shape)
   full = np.broadcast_to(np.asarray(bm.full), true_full.shape)
 
@@ -83,10 +87,12 @@ def check_block_map(p):
   positions_only = p["kind"] == "none"
   packed_exact = p["kind"] == "consecutive" and p["window"] is None and (
       not p["causal"] or p["q_offset"] == p["kv_offset"])
-  if positions_only or packed_exact:
+  if (positions_only or packed_exact) and not g:
     np.testing.assert_array_equal(visible, true_visible)
-  # A block is "full" only without padded tails, and then exactly when every pair is visible.
-  np.testing.assert_array_equal(full, true_full)
+  # A block is "full" only without padded tails, and then exactly when every pair is visible
+  # (with global tokens, conservatively: a block mixing global rows and band rows is masked).
+  if not g:
+    np.testing.assert_array_equal(full, true_full)
   check_index_lists(np.asarray(bm.visible), np.asarray(bm.kv_index), np.asarray(bm.kv_count))
   check_index_lists(np.swapaxes(np.asarray(bm.visible), 1, 2), np.asarray(bm.q_index),
                     np.asarray(bm.q_count))
@@ -139,6 +145,20 @@ def test_block_map_under_jit_with_traced_offsets():
   eager = make(37, 5)
   for a, b in zip(traced, eager, strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_global_tokens_visit_a_few_percent_of_tiles_at_16k():
+  # Longformer's shape: 16,384 tokens, window 512 each side, one global token (no segment ids).
+  spec = masks.MaskSpec(window=(512, 512), global_tokens=1)
+  bm = masks.block_map(16384, 16384, 512, 512, spec)
+  visible = np.asarray(bm.visible[0])
+  assert visible[0].all() and visible[:, 0].all()  # the global token's row and column
+  band = np.abs(np.arange(32)[:, None] - np.arange(32)[None, :]) <= 1
+  np.testing.assert_array_equal(visible, band | (np.arange(32) == 0)[:, None] | (np.arange(32) == 0)[None])
+  with pytest.raises(ValueError, match="global_tokens=1 needs a window"):
+    from flash_layers import dispatch
+    x = jnp.zeros((1, 8, 1, 4))
+    dispatch.prepare(x, x, x, global_tokens=1)
 
 
 def test_block_stats_counts_over_batch_and_heads():

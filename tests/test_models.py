@@ -335,3 +335,22 @@ def test_bad_fields_are_named():
     tiny_model(hidden_size=15)
   with pytest.raises(ValueError, match="remat_policy must be one of"):
     tiny_model(remat_policy="all")
+
+
+@pytest.mark.parametrize("impl", ["reference", "xla_chunked"])
+def test_attention_window_and_global_tokens_limit_what_a_token_reads(impl):
+  # One layer: token i's output depends on token j only if j is in i's window (w // 2 = 2 on each
+  # side), or i or j is its document's first token (global_tokens=1). Positions restart per document.
+  model = models.Bert(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32, max_len=32,
+                      attention_window=4, global_tokens=1, impl=impl, dropout_rate=0.0)
+  params = models.init_params(model, jax.random.key(0))
+  ids = jnp.asarray(np.random.default_rng(0).integers(1, 50, (1, 24)), jnp.int32)
+  seg = jnp.asarray([[1] * 12 + [2] * 12], jnp.int32)
+  encode = lambda x: np.asarray(model.apply({"params": params}, x, seg, method=model.encode))
+  base = encode(ids)
+  changed = lambda j: np.abs(encode(ids.at[0, j].set(ids[0, j] % 49 + 1)) - base).max(-1)[0] > 1e-6
+  np.testing.assert_array_equal(np.flatnonzero(changed(6)), [0, 4, 5, 6, 7, 8])  # band + doc 1's global
+  np.testing.assert_array_equal(np.flatnonzero(changed(18)), [12, 16, 17, 18, 19, 20])  # doc 2's global: 12
+  np.testing.assert_array_equal(np.flatnonzero(changed(12)), np.arange(12, 24))  # global: its whole doc
+  with pytest.raises(ValueError, match="global_tokens must be"):
+    models.Bert(vocab_size=50, global_tokens=1)

@@ -51,14 +51,14 @@ TOPICS = {"sport": ["match", "goal", "team", "win", "player", "score", "league",
 FILLER = ["the", "a", "of", "and", "to", "in", "is", "was", "it", "for", "on", "with", "at", "by", "from"]
 
 
-def _write_dataset(root: pathlib.Path) -> pathlib.Path:
+def _write_dataset(root: pathlib.Path, lengths=(8, 40), sizes=(240, 48, 48)) -> pathlib.Path:
   rng = random.Random(0)
   root.mkdir(parents=True, exist_ok=True)
-  for split, n in (("train", 240), ("dev", 48), ("test", 48)):
+  for split, n in zip(("train", "dev", "test"), sizes, strict=True):
     with open(root / f"{split}.jsonl", "w") as f:
       for _ in range(n):
         label = rng.choice(sorted(TOPICS))
-        length = rng.randint(8, 40)
+        length = rng.randint(*lengths)
         words = [rng.choice(TOPICS[label] if rng.random() < 0.3 else FILLER) for _ in range(length)]
         f.write(json.dumps({"text": " ".join(words), "label": label}) + "\n")
   return root
@@ -385,6 +385,43 @@ def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):
   assert all(sum(p["probabilities"].values()) == pytest.approx(1.0, abs=1e-4) for p in predictions)
 
 
+def test_long_docs_config_smoke_trains_on_one_cpu_device(tmp_path):
+  # configs/long_docs.py as shipped (built-in BBC News, packing, bf16, remat), shrunk only in
+  # steps, row length and batch so CI stays fast; the full 4,096 tokens run the same code.
+  result = subprocess.run(
+    [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/long_docs.py"),
+     "--workdir", str(tmp_path), "--config.train.num_steps=2", "--config.model.max_len=256",
+     "--config.train.batch_size=2", "--config.train.eval_max_batches=1", "--config.data.num_workers=0"],
+    env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
+  assert result.returncode == 0, result.stderr[-4000:]
+  losses = _losses(tmp_path)
+  assert sorted(losses) == [1, 2] and all(np.isfinite(list(losses.values())))
+  dev = metrics_lib.read_metrics(str(tmp_path), "dev")
+  assert dev[-1]["step"] == 2 and dev[-1]["count"] >= 2
+  assert (tmp_path / "checkpoints" / "2").is_dir()
+
+
+def test_windows_eval_and_predict_give_one_entry_per_document(reference_run, tmp_path):
+  # Documents of 70-200 words, each several 64-token windows: metrics, the confusion matrix and
+  # predictions.jsonl count documents, each predicted from the mean of its windows' logits.
+  import shutil
+  workdir = shutil.copytree(reference_run, tmp_path / "run")
+  long_data = _write_dataset(tmp_path / "long", lengths=(70, 200), sizes=(30, 12, 20))
+  docs = tmp_path / "docs.jsonl"
+  texts = [" ".join(["match goal team the of win"] * 30), "bread soup taste",
+           " ".join(["software chip and data code in it"] * 25)]
+  docs.write_text("".join(json.dumps({"id": i, "text": t}) + "\n" for i, t in enumerate(texts)))
+  _run("eval.py", workdir, long_data, *KILL_RUN, "--config.data.eval_split=test", "--checkpoint=best",
+       "--config.data.long_documents=windows", "--config.data.window_stride=8", f"--predict={docs}")
+  report = json.loads((workdir / "eval_metrics.json").read_text())
+  assert report["num_examples"] == 20 and np.sum(report["confusion_matrix"]) == 20
+  assert report["num_windows"] > 2 * 20
+  assert report["accuracy"] > 0.8
+  predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").read_text().splitlines()]
+  assert [p["id"] for p in predictions] == [0, 1, 2]
+  assert [p["prediction"] for p in predictions] == ["sport", "food", "tech"]
+
+
 def test_sigterm_then_sigkill_then_resume_gives_identical_losses(reference_run, dataset, tmp_path):
   # SIGTERM: the run saves at the step it is on and exits 0.
   process = _start("train.py", tmp_path, dataset, *KILL_RUN)
@@ -436,9 +473,9 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_reach_the_loss_of_one(dataset, tmp_path):
-  # No shuffling or dropout: each global batch then holds the same documents however the
-  # rows are split between processes, and the mean loss may differ only by summation order.
-  common = ["--config.train.num_steps=8", "--config.train.eval_every=0", "--config.data.shuffle=False",
+  # One global shuffle dealt out to the processes: each global batch holds the same documents
+  # however its rows are split, and without dropout the mean loss differs only by summation order.
+  common = ["--config.train.num_steps=8", "--config.train.eval_every=0",
             "--config.model.dropout_rate=0.0", "--config.checkpoint.every_steps=4"]
   _run("train.py", tmp_path / "one", dataset, *common, devices=4)
   port = _free_port()
@@ -538,8 +575,9 @@ def test_gradient_accumulation_matches_one_big_batch():
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
-@pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 8),
-                                          ("tpu_pod", 64), ("tpu_multislice", 128), ("tiny", 1)])
+@pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 1),
+                                          ("long_docs", 8), ("modernbert_long", 8), ("tpu_pod", 64),
+                                          ("tpu_multislice", 128), ("tiny", 1)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:
@@ -557,3 +595,43 @@ def test_shipped_configs_are_valid(name, devices):
                "t.learning_rate = ", "k.every_steps = "):
     before = source[:source.index(line)].rstrip().splitlines()[-1].strip()
     assert before.startswith("#"), f"{line!r} has no comment above it in config.py"
+
+
+@pytest.mark.parametrize("aggregation", ["mean", "max"])
+def test_evaluate_scores_each_document_once_from_its_windows(aggregation):
+  from flash_layers import data as data_lib
+  from flash_layers.training import evaluate as evaluate_lib
+  from flash_layers.training import sharding as sharding_lib
+  from flash_layers.training import steps as steps_lib
+
+  def logits_fn(params, batch, *, train, rng):  # a window's logits: its mean token id times params
+    mask = batch["segment_ids"][:, None, :] == jnp.arange(1, batch["labels"].shape[1] + 1)[None, :, None]
+    mean_id = (mask * batch["input_ids"][:, None, :]).sum(-1) / jnp.maximum(mask.sum(-1), 1)
+    return mean_id[..., None] * params
+
+  params = jnp.asarray([0.3, -0.2, 0.05], jnp.float32)
+  rng = random.Random(1)
+  texts = [" ".join(str(rng.randint(0, 9)) for _ in range(rng.randint(3, 60))) for _ in range(23)]
+  labels = [rng.randint(0, 2) for _ in texts]
+  tok = data_lib.TextTokenizer("listops", max_len=16, long_docs="windows", stride=3)
+  windows = tok.encode(texts)
+  assert sum(len(w) > 1 for w in windows) > 10  # most documents are longer than max_len
+  batches = data_lib.eval_batches(texts, labels, tok, batch_size=4, max_docs_per_row=3)
+  mesh = sharding_lib.mesh_from_config(config_lib.default_config())
+  result = evaluate_lib.evaluate(jax.jit(steps_lib.make_eval_step(logits_fn)), params, iter(batches),
+                                 len(batches), mesh, num_labels=3, aggregation=aggregation,
+                                 keep_probabilities=True)
+  # Independently: each window's logits from its token ids, combined per document.
+  per_window = [[np.mean(w) * np.asarray(params, np.float64) for w in ws] for ws in windows]
+  combine = (lambda x: np.mean(x, axis=0)) if aggregation == "mean" else (lambda x: np.max(x, axis=0))
+  doc_logits = np.stack([combine(np.stack(ws)) for ws in per_window])
+  predicted = doc_logits.argmax(-1)
+  assert result["count"] == len(texts) and result["num_windows"] == sum(len(w) for w in windows)
+  assert list(result["doc_ids"]) == list(range(len(texts)))
+  confusion = np.zeros((3, 3), np.int64)
+  for t, p in zip(labels, predicted, strict=True):
+    confusion[t, p] += 1
+  np.testing.assert_array_equal(result["confusion_matrix"], confusion)
+  log_probs = doc_logits - np.log(np.exp(doc_logits).sum(-1, keepdims=True))
+  assert result["loss"] == pytest.approx(-np.mean(log_probs[np.arange(len(texts)), labels]), rel=1e-5)
+  np.testing.assert_allclose(result["probabilities"], np.exp(log_probs), rtol=1e-5)

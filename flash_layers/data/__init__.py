@@ -13,6 +13,7 @@ from __future__ import annotations
 import pathlib
 
 from flash_layers.data import bbc, listops
+from flash_layers.data.eval_plan import AGGREGATIONS, aggregate_logits, eval_batches, length_buckets
 from flash_layers.data.pipeline import make_batches, pack_rows
 from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records, read, read_documents
 from flash_layers.data.tokenize import LONG_DOCS, TextTokenizer, listops_tokenizer, load_tokenizer
@@ -49,6 +50,6 @@ def load(name_or_path: str | pathlib.Path, split: str = "train", **options) -> R
   return read(name_or_path, split=split, **options)
 
 
-__all__ = ["BUILTIN", "LONG_DOCS", "SPLITS", "DataError", "LabelVocab", "Records", "TextTokenizer",
-           "listops_tokenizer", "load", "load_tokenizer", "make_batches", "pack_rows", "read",
-           "read_documents"]
+__all__ = ["AGGREGATIONS", "BUILTIN", "LONG_DOCS", "SPLITS", "DataError", "LabelVocab", "Records",
+           "TextTokenizer", "aggregate_logits", "eval_batches", "length_buckets", "listops_tokenizer", "load",
+           "load_tokenizer", "make_batches", "pack_rows", "read", "read_documents"]

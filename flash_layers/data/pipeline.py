@@ -1,7 +1,7 @@
 """The grain pipeline: records -> shuffled, sharded, tokenized, fixed-shape (optionally packed) batches.
 
-    records[process_index::process_count]      this process's shard
-      .shuffle(seed).repeat(num_epochs)        global index shuffle, reseeded each epoch
+    records.shuffle(seed).repeat(num_epochs)   global index shuffle, reseeded each epoch
+      [process_index::process_count]           this process's share of that one global order
       .batch(tokenize_chunk) .map(encode)      batched tokenization (in worker processes if num_workers)
       -> PackedBatches                         rows of max_len tokens, batch_size rows per batch
 
@@ -187,10 +187,12 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
   if len(records) < process_count:
     raise ValueError(f"{len(records)} records cannot be sharded over {process_count} processes")
 
-  ds = grain.MapDataset.source(records)[process_index::process_count]
+  # Shuffle the whole dataset, then deal it out: the records of global step n are the same for
+  # any number of processes (each takes every process_count-th of one global order).
+  ds = grain.MapDataset.source(records)
   if shuffle:
     ds = ds.shuffle(seed=seed)
-  ds = ds.repeat(num_epochs)
+  ds = ds.repeat(num_epochs)[process_index::process_count]
   ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer))
   it = ds.to_iter_dataset()
   if num_workers:
@@ -213,8 +215,8 @@ def make_batches(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
     shuffle, seed: seeded global shuffle, reseeded each epoch.
     num_epochs: passes over the data; None repeats forever.
     drop_remainder: drop a final short batch instead of padding it with empty rows.
-    process_index, process_count: this process takes records[process_index::process_count];
-      default jax.process_index() / jax.process_count().
+    process_index, process_count: this process takes every process_count-th record of the
+      globally shuffled stream, from process_index; default jax.process_index() / jax.process_count().
     num_workers: tokenize in this many worker processes (grain mp_prefetch); 0 = in this process.
       The batches are the same for every num_workers.
     tokenize_chunk: records per tokenizer call.

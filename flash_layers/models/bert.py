@@ -109,6 +109,8 @@ class Block(nn.Module):
   initializer_range: float
   dtype: Any
   param_dtype: Any
+  window: int | None = None
+  global_tokens: int = 0
 
   def _norm(self, name):
     return nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype, param_dtype=self.param_dtype,
@@ -126,7 +128,7 @@ class Block(nn.Module):
     attn = MultiHeadAttention(num_heads=self.num_heads, impl=self.impl, dtype=self.dtype,
                               param_dtype=self.param_dtype, use_bias=True,
                               kernel_init=nn.initializers.normal(self.initializer_range),
-                              name="attention")
+                              window=self.window, global_tokens=self.global_tokens, name="attention")
     y = attn(x, segment_ids=segment_ids, deterministic=deterministic)
     y = nn.Dropout(self.dropout_rate)(y, deterministic=deterministic)
     x = self._norm("attention_norm")(x + y)
@@ -158,6 +160,10 @@ class Bert(nn.Module):
       REMAT_POLICIES) allows.
     mlm_head: build the masked-LM head (transform + LayerNorm + output bias, decoder tied to the
       word embeddings).
+    attention_window: None (full attention) or w: each token sees w // 2 tokens on either side
+      (Longformer's and ModernBERT's convention), so flash_pallas skips the tiles outside the band.
+    global_tokens: with attention_window, the first g tokens of each document (its [CLS] for
+      g = 1) attend and are attended by the whole document (Longformer's global attention).
   """
 
   vocab_size: int
@@ -179,6 +185,8 @@ class Bert(nn.Module):
   remat: bool = False
   remat_policy: str = "nothing_saveable"
   mlm_head: bool = False
+  attention_window: int | None = None
+  global_tokens: int = 0
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_len",
@@ -201,6 +209,13 @@ class Bert(nn.Module):
       raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}; got {self.remat_policy!r}")
     if not 0 <= self.dropout_rate < 1:
       raise ValueError(f"dropout_rate must be in [0, 1); got {self.dropout_rate!r}")
+    window = self.attention_window
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+      raise ValueError(f"attention_window must be None or an int >= 2; got {window!r}")
+    if isinstance(self.global_tokens, bool) or not isinstance(self.global_tokens, int) or \
+        self.global_tokens < 0 or (self.global_tokens and window is None):
+      raise ValueError(f"global_tokens must be an int >= 0, and > 0 only with attention_window; got "
+                       f"{self.global_tokens!r} (attention_window={window!r})")
     super().__post_init__()
 
   def setup(self):
@@ -222,7 +237,8 @@ class Bert(nn.Module):
     self.layers = [block(num_heads=self.num_heads, mlp_dim=self.mlp_dim, impl=self.impl,
                          dropout_rate=self.dropout_rate, layer_norm_eps=self.layer_norm_eps,
                          initializer_range=self.initializer_range, dtype=self.dtype,
-                         param_dtype=self.param_dtype)
+                         param_dtype=self.param_dtype, global_tokens=self.global_tokens,
+                         window=None if self.attention_window is None else self.attention_window // 2)
                    for _ in range(self.num_layers)]
     self.dropout = nn.Dropout(self.dropout_rate)
     dense = lambda n, axes: nn.Dense(n, dtype=self.dtype, param_dtype=self.param_dtype,

@@ -24,9 +24,24 @@ from __future__ import annotations
 import numpy as np
 
 
+def _document_positions(ids) -> np.ndarray:
+  """Per row, each token's position within its run of equal ids (a document)."""
+  ids = np.asarray(ids)
+  out = np.zeros(ids.shape, np.int64)
+  for row in range(ids.shape[0]):
+    for n in range(1, ids.shape[1]):
+      out[row, n] = out[row, n - 1] + 1 if ids[row, n] == ids[row, n - 1] else 0
+  return out
+
+
 def mask(batch, q_len, kv_len, *, causal=False, window=None, segment_ids=None,
-         kv_segment_ids=None, q_offset=0, kv_offset=0):
-  """bool [batch, q_len, kv_len]: may query i attend key j?"""
+         kv_segment_ids=None, q_offset=0, kv_offset=0, global_tokens=0):
+  """bool [batch, q_len, kv_len]: may query i attend key j?
+
+  global_tokens=g (with a window): the window does not apply when query i or key j is one of
+  the first g tokens of its document (positions restart where the segment id changes; without
+  segment ids, the global position).
+  """
   i = q_offset + np.arange(q_len)[:, None]
   j = kv_offset + np.arange(kv_len)[None, :]
   ok = np.ones((batch, q_len, kv_len), dtype=bool)
@@ -34,7 +49,16 @@ def mask(batch, q_len, kv_len, *, causal=False, window=None, segment_ids=None,
     ok &= j <= i
   if window is not None:
     left, right = (window, window) if isinstance(window, int) else window
-    ok &= (j >= i - left) & (j <= i + right)
+    in_window = np.broadcast_to((j >= i - left) & (j <= i + right), ok.shape)
+    if global_tokens:
+      if segment_ids is None:
+        q_doc, kv_doc = np.broadcast_to(i, (batch, q_len, 1)), np.broadcast_to(j, (batch, 1, kv_len))
+      else:
+        q_doc = _document_positions(segment_ids)[:, :, None]
+        kv_ids = segment_ids if kv_segment_ids is None else kv_segment_ids
+        kv_doc = _document_positions(kv_ids)[:, None, :]
+      in_window = in_window | (q_doc < global_tokens) | (kv_doc < global_tokens)
+    ok &= in_window
   if segment_ids is not None:
     q_seg = np.asarray(segment_ids)
     kv_seg = q_seg if kv_segment_ids is None else np.asarray(kv_segment_ids)

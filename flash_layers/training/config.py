@@ -44,6 +44,12 @@ def default_config() -> ml_collections.ConfigDict:
   m.position_extension = "repeat"
   # How many times the pretrained position table may be extended.
   m.max_position_extension = 16
+  # Longformer-style sparse attention for BERT/RoBERTa models: None = full
+  # attention; w = each token sees w // 2 tokens on either side. With it,
+  # global_tokens = g: each document's first g tokens (its [CLS] for 1) attend,
+  # and are attended by, the whole document.
+  m.attention_window = placeholder(int)
+  m.global_tokens = 0
   # Document representation fed to the classifier: "cls" or "mean" (mean over
   # the document's tokens, masked by segment ids).
   m.pooling = "cls"
@@ -78,13 +84,20 @@ def default_config() -> ml_collections.ConfigDict:
   # "" = the pretrained model's directory.
   d.tokenizer = ""
   # Long documents: "truncate" to max_len, or split into "windows" (each window
-  # is then a training example with the document's label).
+  # is then a training example with the document's label; evaluation and
+  # prediction combine a document's windows into one prediction).
   d.long_documents = "truncate"
   d.window_stride = 0  # tokens shared by consecutive windows
-  # Pack several short documents into one row (segment ids keep them apart);
-  # training only, evaluation keeps one document per row.
+  # How a document's window logits are combined: "mean" or elementwise "max".
+  d.window_aggregation = "mean"
+  # Pack several short documents into one training row (segment ids keep them apart).
   d.packing = False
+  # The most documents (or windows) in one packed row, in training and evaluation.
   d.max_docs_per_row = 8
+  # Evaluation and prediction pack documents into rows bucketed by length
+  # (flash_layers.data.eval_plan), so their cost follows the real tokens;
+  # False pads every document to max_len in a row of its own.
+  d.eval_packing = True
   # Shuffle the training data (seeded by config.seed, reshuffled each epoch);
   # False keeps file order.
   d.shuffle = True
@@ -200,6 +213,12 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _choice(m.pooling, "model.pooling", models.POOLINGS)
   _choice(m.dtype, "model.dtype", tuple(models.DTYPES))
   _choice(m.position_extension, "model.position_extension", models.POSITION_EXTENSIONS)
+  if m.attention_window is not None and (not isinstance(m.attention_window, int) or m.attention_window < 2):
+    _fail("model.attention_window", f"must be None or an int >= 2; got {m.attention_window!r}")
+  _positive_int(config, "model.global_tokens", allow_zero=True)
+  if m.global_tokens and m.attention_window is None:
+    _fail("model.global_tokens", f"{m.global_tokens} needs model.attention_window (global tokens waive "
+          "the window)")
   if not 0.0 <= m.dropout_rate < 1.0:
     _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
   if m.pretrained is None:
@@ -237,6 +256,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _check_position_table(m)
 
   _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
+  _choice(d.window_aggregation, "data.window_aggregation", data_lib.AGGREGATIONS)
+  _positive_int(config, "data.max_docs_per_row")
+  if not isinstance(d.eval_packing, bool):
+    _fail("data.eval_packing", f"must be True or False; got {d.eval_packing!r}")
   _choice(d.eval_split, "data.eval_split", ("dev", "test"))
   _positive_int(config, "data.window_stride", allow_zero=True)
   _positive_int(config, "data.max_docs_per_row")

@@ -20,6 +20,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from flash_layers import data as data_lib
+from flash_layers.data import eval_plan
 from flash_layers.errors import UserError
 from flash_layers.parallel.mesh import LOGICAL_RULES
 from flash_layers.training import checkpoint as checkpoint_lib
@@ -34,38 +35,73 @@ from flash_layers.training.distributed import log_job_info, setup_logging
 log = logging.getLogger("flash_layers.training")
 
 
-def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, shardings: dict | None,
-             mesh: Mesh, seq_len: int, *, num_labels: int, keep_probabilities: bool = False) -> dict:
-  """Loss, accuracy, macro-F1 and the confusion matrix over `num_batches` batches.
+def _global(x) -> np.ndarray:
+  """This process's rows of a host or device array -> the rows of all processes, in order."""
+  return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-  Every process runs the same number of steps (collectives): a process whose
-  shard is used up feeds copies of its last batch with all labels -1.
+
+def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh: Mesh, *, num_labels: int,
+             aggregation: str = "mean", keep_probabilities: bool = False) -> dict:
+  """Loss, accuracy, macro-F1 and the confusion matrix over the documents of `num_batches` batches.
+
+  Slots (a document or one of its windows) are combined per document by their `doc_ids`
+  (data.eval_plan): one prediction per document, from the "mean" or "max" of its window logits.
+  A batch without doc_ids counts each labelled slot as its own document. Every process runs the
+  same number of steps (collectives): a process whose batches are used up feeds copies of its
+  last batch with no documents in it.
   """
-  loss_sum, count = 0.0, 0.0
-  confusion = np.zeros((num_labels, num_labels), np.int64)
-  probabilities, labels = [], []
-  last = None
+  slot_logits, slot_docs, slot_labels = [], [], []
+  shardings: dict = {}
+  last, next_doc = None, 0
   for _ in range(num_batches):
     batch = next(batches, None)
     if batch is None:
       batch = dict(last)
       batch["labels"] = np.full_like(np.asarray(last["labels"]), -1)
+      batch["doc_ids"] = np.full_like(np.asarray(last["labels"]), -1)
     last = batch
-    if shardings is None:
-      shardings = sharding_lib.batch_shardings(batch, mesh, seq_len)
-    out = eval_step(params, sharding_lib.to_global(batch, shardings))
-    loss_sum += float(out["loss_sum"])
-    count += float(out["count"])
-    confusion += np.asarray(out["confusion"], np.int64)
-    if keep_probabilities:
-      probabilities.append(np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True)))
-      labels.append(np.asarray(multihost_utils.process_allgather(batch["labels"], tiled=True)))
-  result = {"loss": loss_sum / max(count, 1.0), "count": int(count), **metrics_lib.summarize(confusion),
-            "confusion_matrix": confusion}
+    device_batch = {k: v for k, v in batch.items() if k != "doc_ids"}
+    shape = tuple(np.shape(device_batch["input_ids"]))
+    if shape not in shardings:  # one per bucket length; the length axis goes over `sequence`
+      shardings[shape] = sharding_lib.batch_shardings(device_batch, mesh, shape[1])
+    out = eval_step(params, sharding_lib.to_global(device_batch, shardings[shape]))
+    labels = _global(np.asarray(batch["labels"]))
+    if "doc_ids" in batch:
+      docs = _global(np.asarray(batch["doc_ids"]))
+    else:
+      docs = np.full(labels.shape, -1, np.int64)
+      docs[labels >= 0] = next_doc + np.arange(int(np.sum(labels >= 0)))
+      next_doc += int(np.sum(labels >= 0))
+    slot_logits.append(_global(out["logits"]).reshape(-1, num_labels))
+    slot_docs.append(docs.reshape(-1))
+    slot_labels.append(labels.reshape(-1))
+  logits = np.concatenate(slot_logits) if slot_logits else np.zeros((0, num_labels))
+  docs = np.concatenate(slot_docs) if slot_docs else np.zeros((0,), np.int64)
+  labels = np.concatenate(slot_labels) if slot_labels else np.zeros((0,), np.int64)
+  num_docs = int(docs.max()) + 1 if docs.size else 0
+  doc_logits, seen = eval_plan.aggregate_logits(logits, docs, num_docs, aggregation)
+  doc_labels = np.full(num_docs, -1, np.int64)
+  doc_labels[docs[docs >= 0]] = labels[docs >= 0]
+  scored = seen & (doc_labels >= 0)
+  log_probs = _log_softmax(doc_logits[scored])
+  truth = doc_labels[scored]
+  predicted = np.argmax(log_probs, axis=-1)
+  confusion = np.zeros((num_labels, num_labels), np.int64)
+  np.add.at(confusion, (truth, predicted), 1)
+  count = int(scored.sum())
+  loss = float(-log_probs[np.arange(count), truth].sum() / max(count, 1))
+  result = {"loss": loss, "count": count, "num_windows": int(np.sum(docs >= 0)),
+            **metrics_lib.summarize(confusion), "confusion_matrix": confusion}
   if keep_probabilities:
-    result["probabilities"] = np.concatenate(probabilities) if probabilities else np.zeros((0, num_labels))
-    result["labels"] = np.concatenate(labels) if labels else np.zeros((0,), np.int32)
+    result["doc_ids"] = np.flatnonzero(seen)
+    result["probabilities"] = np.exp(_log_softmax(doc_logits[seen]))
+    result["labels"] = doc_labels[seen]
   return result
+
+
+def _log_softmax(logits: np.ndarray) -> np.ndarray:
+  shifted = logits - logits.max(axis=-1, keepdims=True) if logits.size else logits
+  return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
 
 
 def restore_params(config, workdir: str, task: task_lib.Task, mesh, which: str | int):
@@ -114,14 +150,14 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
 
 def _evaluate(config, workdir, mesh, task, checkpoint, step, params, documents, predictions_path) -> dict:
   log.info("evaluating checkpoint step %d (%s) on %s", step, checkpoint, config.data.eval_split)
-  eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, num_labels=task.num_labels))
+  eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
   batches, count = task.eval_batches(config.data.eval_split)
-  result = evaluate(eval_step, params, batches, count, None, mesh, task.seq_len,
-                         num_labels=task.num_labels)
+  result = evaluate(eval_step, params, batches, count, mesh, num_labels=task.num_labels,
+                    aggregation=config.data.window_aggregation)
   report = {
     "split": config.data.eval_split, "checkpoint": checkpoint, "checkpoint_step": step,
     "accuracy": result["accuracy"], "macro_f1": result["macro_f1"], "loss": result["loss"],
-    "num_examples": result["count"], "labels": task.label_names,
+    "num_examples": result["count"], "num_windows": result["num_windows"], "labels": task.label_names,
     "confusion_matrix": np.asarray(result["confusion_matrix"]).tolist(),
     "confusion_matrix_axes": "[true label, predicted label]",
   }
@@ -139,25 +175,14 @@ def _evaluate(config, workdir, mesh, task, checkpoint, step, params, documents, 
 
 def predict_documents(config, task: task_lib.Task, params, eval_step, mesh, rows: list[dict],
                       out_path: str) -> None:
-  """One prediction per document (`data.read_documents` rows; first max_len tokens of each), as JSONL."""
-  tokenizer = data_lib.TextTokenizer(task_lib.make_tokenizer(config).tokenizer, max_len=config.model.max_len)
-  global_batch = task_lib.eval_batch_size(config)
-  local = global_batch // jax.process_count()
-  first = jax.process_index() * local
-  probabilities = []
-  shardings = None
-  for start in range(0, len(rows), global_batch):
-    chunk = rows[start:start + global_batch]
-    mine = chunk[first:first + local]  # this process's slice of the global batch, in order
-    windows = tokenizer.encode([r[config.data.text_field] for r in mine]) if mine else []
-    batch = data_lib.pack_rows([[(w[0], -1)] for w in windows], batch_size=local,
-                               max_len=config.model.max_len, max_docs=1, pad_id=tokenizer.pad_id)
-    if shardings is None:
-      shardings = sharding_lib.batch_shardings(batch, mesh, task.seq_len)
-    out = eval_step(params, sharding_lib.to_global(batch, shardings))
-    gathered = np.asarray(multihost_utils.process_allgather(out["probabilities"], tiled=True))
-    probabilities.append(gathered.reshape(global_batch, -1)[:len(chunk)])
-  probabilities = np.concatenate(probabilities)
+  """One prediction per document (`data.read_documents` rows), as JSONL, batched as evaluation is
+  (data.eval_plan); with data.long_documents="windows" a long document's window logits are combined."""
+  batches = task.predict_batches([r[config.data.text_field] for r in rows])
+  result = evaluate(eval_step, params, iter(batches), len(batches), mesh, num_labels=task.num_labels,
+                    aggregation=config.data.window_aggregation, keep_probabilities=True)
+  if sorted(result["doc_ids"].tolist()) != list(range(len(rows))):
+    raise AssertionError(f"predicted {len(result['doc_ids'])} of {len(rows)} documents")
+  probabilities = result["probabilities"][np.argsort(result["doc_ids"])]
   if jax.process_index() != 0:
     return
   with open(out_path, "w", encoding="utf-8") as f:

@@ -122,7 +122,7 @@ class Trainer:
       task.logits_fn, self.tx, self.schedule, num_labels=task.num_labels, seed=config.seed,
       grad_accum_steps=train.grad_accum_steps, label_smoothing=train.label_smoothing)
     self.train_step = jax.jit(train_step, out_shardings=(self.shardings, None), donate_argnums=0)
-    self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, num_labels=task.num_labels))
+    self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
     self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                                         train.peak_flops_per_device)
 
@@ -255,11 +255,10 @@ class Trainer:
     progress.update(done, {k: summary[k] for k in ("loss", "accuracy", "learning_rate", "tokens_per_s")})
 
   def _dev_eval(self, state, step, writer) -> dict:
-    batches, count = self.task.eval_batches("dev")
-    if self.config.train.eval_max_batches:
-      count = min(count, self.config.train.eval_max_batches)
-    result = evaluate_lib.evaluate(self.eval_step, state.params, batches, count, None, self.mesh,
-                                   self.task.seq_len, num_labels=self.task.num_labels)
+    batches, count = self.task.eval_batches("dev", self.config.train.eval_max_batches)
+    result = evaluate_lib.evaluate(self.eval_step, state.params, batches, count, self.mesh,
+                                   num_labels=self.task.num_labels,
+                                   aggregation=self.config.data.window_aggregation)
     values = {k: v for k, v in result.items() if k != "confusion_matrix"}
     writer.write(step, "dev", values)
     log.info("dev @ %d: loss %.4f  accuracy %.4f  macro_f1 %.4f", step, values["loss"], values["accuracy"],

@@ -15,12 +15,11 @@ from typing import Any
 import jax
 import ml_collections
 import numpy as np
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from flash_layers import data as data_lib
 from flash_layers import models
-from flash_layers.data import readers
+from flash_layers.data import eval_plan, readers
 from flash_layers.training import steps as steps_lib
 from flash_layers.training.config import ConfigError
 
@@ -35,7 +34,9 @@ class Task:
   pretrained_params: Any | None  # host arrays replacing the initial params, or None
   label_names: list
   train_batches: Iterator[dict]  # endless, this process's rows; has get_state()/set_state()
-  eval_batches: Callable[[str], tuple[Iterator[dict], int]]  # split -> (this process's batches, count)
+  # (split, max_batches=None) -> (this process's batches, steps); each document once (data.eval_plan)
+  eval_batches: Callable[..., tuple[Iterator[dict], int]]
+  predict_batches: Callable[[list[str]], list[dict]]  # texts -> this process's batches (labels -1)
   seq_len: int
 
   @property
@@ -44,7 +45,7 @@ class Task:
 
 
 DEV_CARVE_SEED = 1234
-EVAL_SHUFFLE_SEED = 0  # fixed, so the carved-out dev split is the same for every training seed
+EVAL_SHUFFLE_SEED = 0  # fixed: a capped dev evaluation scores the same sample for every training seed
 
 
 # ----------------------------------------------------------------------------
@@ -110,16 +111,29 @@ def eval_batch_size(config) -> int:
   return config.data.eval_batch_size or config.train.batch_size // config.train.grad_accum_steps
 
 
-def materialized_eval_batches(records, tokenizer, global_batch: int):
-  """This process's eval batches as a list, and how many steps every process must run."""
-  # Shuffled (with a fixed seed): metrics over a whole split do not depend on the order, and a
-  # capped evaluation (config.train.eval_max_batches) then scores a sample of every class.
-  batches = list(data_lib.make_batches(records, tokenizer, batch_size=local_batch_size(global_batch),
-                                       shuffle=True, seed=EVAL_SHUFFLE_SEED, num_epochs=1))
-  count = len(batches)
-  if jax.process_count() > 1:
-    count = int(np.max(multihost_utils.process_allgather(np.array([count], np.int32))))
-  return batches, count
+def eval_granule(mesh: Mesh | None) -> int:
+  """Bucket lengths are multiples of this: 128 tokens per shard of the sequence axis."""
+  return 128 * (mesh.shape.get("sequence", 1) if mesh is not None else 1)
+
+
+def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None) -> list[dict]:
+  """This process's rows of the evaluation/prediction batches: every document once, packed and
+  bucketed by length (data.eval_plan), or one per max_len row with data.eval_packing=False."""
+  d = config.data
+  buckets = (eval_plan.length_buckets(tokenizer.max_len, eval_granule(mesh)) if d.eval_packing
+             else (tokenizer.max_len,))
+  return eval_plan.eval_batches(texts, labels, tokenizer, batch_size=eval_batch_size(config),
+                                max_docs_per_row=d.max_docs_per_row, pack=d.eval_packing, buckets=buckets,
+                                process_index=jax.process_index(), process_count=jax.process_count())
+
+
+def sample_documents(records, max_batches: int | None, global_batch: int) -> list[int]:
+  """Which documents a capped evaluation scores: a seeded sample of about max_batches batches'
+  worth (all of them without a cap), so a capped dev eval still sees every class."""
+  if not max_batches or max_batches * global_batch >= len(records):
+    return list(range(len(records)))
+  order = np.random.default_rng(EVAL_SHUFFLE_SEED).permutation(len(records))
+  return sorted(order[:max_batches * global_batch].tolist())
 
 
 # ----------------------------------------------------------------------------
@@ -133,6 +147,8 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   m = config.model
   common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype],
                 remat=m.remat)
+  if m.attention_window is not None:  # only BERT/RoBERTa take these (ModernBERT: its config's window)
+    common.update(attention_window=m.attention_window, global_tokens=m.global_tokens)
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
                                            position_extension=m.position_extension, seed=config.seed,
@@ -184,12 +200,18 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   first_eval = "dev" if with_train_data else config.data.eval_split
   records[first_eval] = load_split(config, first_eval)
 
-  def eval_batches(split: str):
+  def eval_batches(split: str, max_batches: int | None = None):
     split_records = records[split] if split in records else load_split(config, split)
-    batches, count = materialized_eval_batches(split_records, tokenizer, eval_batch_size(config))
-    return iter(batches), count
+    chosen = sample_documents(split_records, max_batches, eval_batch_size(config))
+    batches = planned_eval_batches(config, [split_records[i]["text"] for i in chosen],
+                                   [split_records[i]["label"] for i in chosen], tokenizer, mesh)
+    return iter(batches), len(batches)
+
+  def predict_batches(texts: list[str]) -> list[dict]:
+    return planned_eval_batches(config, texts, None, tokenizer, mesh)
 
   return Task(logits_fn=make_logits_fn(model), init_params=init_params, pretrained_params=pretrained,
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
+              predict_batches=predict_batches,
               seq_len=seq_len)
 

@@ -1,0 +1,149 @@
+"""Evaluation and prediction batches whose cost follows the real tokens, not max_len.
+
+Training streams fixed [batch, max_len] rows (pipeline.py). Evaluation sees each document exactly
+once and its order does not matter, so it is planned up front over the whole split:
+
+    tokenize every document (its windows with long_docs="windows")
+    sort the windows longest first
+    batch after batch: row length L = the smallest bucket >= the longest window left;
+      each of the batch's rows takes the longest window left, then packs the shortest ones
+      left into its free room (at most max_docs per row)
+
+Buckets are a short ladder of lengths (multiples of `granule`, at most ~1/4 octave apart), so a
+batch wastes little padding and the eval step compiles for a handful of shapes. Every batch has
+`batch_size` rows: the plan is global, so all processes run the same steps with the same shapes,
+and process p takes rows [p * local, (p + 1) * local) of each batch. The metrics therefore do not
+depend on the number of processes.
+
+Each batch is the dict of pipeline.py (input_ids, segment_ids, positions, labels [rows,
+max_docs]) plus `doc_ids` [rows, max_docs]: the index of the document a slot's window belongs
+to, -1 for an empty slot. A document split into windows has several slots with its index;
+`aggregate_logits` combines them into one prediction per document.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from flash_layers.data.pipeline import pack_rows
+from flash_layers.data.tokenize import TextTokenizer
+
+AGGREGATIONS = ("mean", "max")
+
+
+def length_buckets(max_len: int, granule: int = 128) -> tuple[int, ...]:
+  """Row lengths a batch may take: multiples of `granule` growing by ~1/4 octave, then max_len."""
+  if granule < 1 or max_len < 1:
+    raise ValueError(f"max_len and granule must be >= 1; got {max_len}, {granule}")
+  out, length = [], granule
+  while length < max_len:
+    out.append(length)
+    octave = 1 << (length.bit_length() - 1)
+    length += max(granule, octave // 4 // granule * granule)
+  return (*out, max_len)
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  return next(b for b in buckets if b >= n)
+
+
+def plan_batches(lengths: Sequence[int], *, batch_size: int, max_docs: int, buckets: Sequence[int],
+                 pack: bool = True) -> list[tuple[int, list[list[int]]]]:
+  """[(row length, rows of example indices)]: every example once, longest first (module doc)."""
+  if not lengths:
+    return []
+  if max(lengths) > buckets[-1]:
+    raise ValueError(f"an example of {max(lengths)} tokens exceeds the longest bucket {buckets[-1]}")
+  order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+  lo, hi = 0, len(order)  # order[lo:hi] is what is left, longest first
+  plan = []
+  while lo < hi:
+    row_len = _bucket(lengths[order[lo]], buckets)
+    rows = []
+    while len(rows) < batch_size and lo < hi:
+      row, used = [order[lo]], lengths[order[lo]]
+      lo += 1
+      while pack and lo < hi and len(row) < max_docs and used + lengths[order[hi - 1]] <= row_len:
+        hi -= 1
+        row.append(order[hi])
+        used += lengths[order[hi]]
+      rows.append(row)
+    plan.append((row_len, rows))
+  return plan
+
+
+def eval_batches(texts: Sequence[str], labels: Sequence[int] | None, tokenizer: TextTokenizer, *,
+                 batch_size: int, max_docs_per_row: int = 8, pack: bool = True,
+                 buckets: Sequence[int] | None = None, process_index: int = 0,
+                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """This process's rows of every evaluation batch (module docstring).
+
+  Args:
+    texts: the documents; labels: their int labels, or None (prediction: labels -1).
+    tokenizer: a TextTokenizer; its long_docs decides truncation or windows.
+    batch_size: rows per batch over all processes (a multiple of process_count).
+    max_docs_per_row: with pack, the most windows in a row (labels' and doc_ids' second dim).
+    pack: pack short windows into a row's free room; False = one window per row.
+    buckets: allowed row lengths, ascending, the last >= every window (default
+      `length_buckets(tokenizer.max_len)`); (tokenizer.max_len,) pads every row to max_len.
+    process_index, process_count: which rows of each batch this process keeps.
+  """
+  if labels is not None and len(labels) != len(texts):
+    raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} must divide over {process_count} processes")
+  max_docs = max_docs_per_row if pack else 1
+  buckets = tuple(buckets or length_buckets(tokenizer.max_len))
+  windows, doc_of = [], []
+  for doc, ws in enumerate(tokenizer.encode(list(texts))):
+    windows += ws
+    doc_of += [doc] * len(ws)
+  plan = plan_batches([len(w) for w in windows], batch_size=batch_size, max_docs=max_docs,
+                      buckets=buckets, pack=pack)
+  local = batch_size // process_count
+  out = []
+  for row_len, rows in plan:
+    mine = rows[process_index * local:(process_index + 1) * local]
+    batch = pack_rows([[(windows[i], -1 if labels is None else int(labels[doc_of[i]])) for i in row]
+                       for row in mine], batch_size=local, max_len=row_len, max_docs=max_docs,
+                      pad_id=tokenizer.pad_id)
+    doc_ids = np.full((local, max_docs), -1, np.int32)
+    for r, row in enumerate(mine):
+      doc_ids[r, :len(row)] = [doc_of[i] for i in row]
+    batch["doc_ids"] = doc_ids
+    out.append(batch)
+  return out
+
+
+def real_token_fraction(batches: Sequence[dict[str, np.ndarray]]) -> float:
+  """Tokens that belong to a document / all token slots of the batches."""
+  real = sum(int(np.count_nonzero(b["segment_ids"])) for b in batches)
+  total = sum(b["segment_ids"].size for b in batches)
+  return real / total if total else float("nan")
+
+
+def aggregate_logits(logits: np.ndarray, doc_ids: np.ndarray, num_docs: int,
+                     how: str = "mean") -> tuple[np.ndarray, np.ndarray]:
+  """(per-document logits [num_docs, C], seen [num_docs] bool) from slot logits [..., C] and
+  their doc_ids [...] (-1 = no document): the "mean" or the elementwise "max" of a document's
+  window logits."""
+  if how not in AGGREGATIONS:
+    raise ValueError(f"window_aggregation must be one of {AGGREGATIONS}; got {how!r}")
+  logits = np.asarray(logits, np.float64).reshape(-1, np.shape(logits)[-1])
+  doc_ids = np.asarray(doc_ids).reshape(-1)
+  if logits.shape[0] != doc_ids.shape[0]:
+    raise ValueError(f"{logits.shape[0]} slot logits but {doc_ids.shape[0]} doc_ids")
+  keep = doc_ids >= 0
+  logits, doc_ids = logits[keep], doc_ids[keep]
+  counts = np.bincount(doc_ids, minlength=num_docs)
+  if how == "mean":
+    out = np.zeros((num_docs, logits.shape[1]))
+    np.add.at(out, doc_ids, logits)
+    out /= np.maximum(counts, 1)[:, None]
+  else:
+    out = np.full((num_docs, logits.shape[1]), -np.inf)
+    np.maximum.at(out, doc_ids, logits)
+    out[counts == 0] = 0.0
+  return out, counts > 0
