@@ -93,8 +93,11 @@ class _Row:
     ok = ok & (q_idx < st.q_len)[:, None] & (kv_idx < st.kv_len)[None, :]
     ok = ok[None, None]
     if self.dense is not None:
+      # Every start index int32: a literal 0 would be int64 under jax_enable_x64, and
+      # dynamic_slice wants one index type.
+      starts = (jnp.int32(0), jnp.int32(qb * st.block_q), jnp.int32(kb * st.block_kv))
       tile = jax.lax.dynamic_slice(
-          self.dense, (0, qb * st.block_q, kb * st.block_kv),
+          self.dense, starts,
           (self.dense.shape[0], st.block_q, st.block_kv))  # [h|1, bq, bk]
       if st.heads_in_mask:
         tile = tile.reshape(st.num_kv_heads, st.group, st.block_q, st.block_kv)
