@@ -27,7 +27,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               causal: bool = False, segment_ids: jax.Array | None = None,
               kv_segment_ids: jax.Array | None = None,
               window: int | tuple[int, int] | None = None, scale: float | None = None,
-              softcap: float | None = None, block_sizes: Any = None, mesh: Any = None) -> jax.Array:
+              softcap: float | None = None, dropout_rate: float = 0.0,
+              dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
+              alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
+              block_sizes: Any = None, mesh: Any = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -42,6 +45,20 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     window: (left, right) or w for (w, w): query i sees keys i - left ... i + right.
     scale: logit scale; head_dim ** -0.5 by default.
     softcap: c > 0 -> logits = c * tanh(logits / c).
+    dropout_rate: in [0, 1): after the softmax each probability is kept with probability
+      1 - rate and scaled by 1 / (1 - rate), else zeroed. The keep decision is a hash of
+      (dropout_rng, batch row, query head, query position, key position), all global, so it
+      is the same for every impl, platform, block size and mesh (`flash_layers.dropout_mask`
+      returns it). Not served by xla_native.
+    dropout_rng: a PRNG key (jax.random.key or a uint32[2] PRNGKey); required when
+      dropout_rate > 0.
+    dropout_broadcast: one mask shared by every batch row and head.
+    alibi_slopes: float [num_heads]: logits[b, h, i, j] += -alibi_slopes[h] * |i - j|
+      (`flash_layers.alibi_slopes(num_heads)` gives the standard slopes).
+    bias: float, broadcastable to [batch, num_heads, q_len, kv_len], added to the logits;
+      differentiable. Served by reference, xla_native and xla_chunked (not flash_pallas).
+    Order: logits = scale * q.k + alibi + bias, then softcap, then the mask, softmax in
+      float32, then dropout.
     block_sizes: flash_pallas tile sizes (see its BlockSizes); None for the defaults.
     mesh: a `jax.sharding.Mesh` with axes from ("data", "fsdp", "tensor", "sequence")
       (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
@@ -55,7 +72,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
   dispatch.check_impl(impl)
   request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
-                          softcap=softcap, block_sizes=block_sizes)
+                          softcap=softcap, block_sizes=block_sizes, dropout_rate=dropout_rate,
+                          dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast,
+                          alibi_slopes=alibi_slopes, bias=bias)
   mesh = sharded.resolve_mesh(mesh)
   if mesh is not None:
     plan = sharded.make_plan(request, mesh)

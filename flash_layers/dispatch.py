@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import lowering, masks
+from flash_layers import dropout, lowering, masks
 from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError
 
 log = logging.getLogger("flash_layers")
@@ -100,6 +100,57 @@ def _check_scalar(name, value, *, positive):
   return value
 
 
+def _check_dropout(rate, rng, broadcast):
+  """-> (rate, int32[2] seed or None, broadcast)."""
+  if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
+    raise TypeError(f"dropout_rate must be a Python float in [0, 1); got {type(rate).__name__} {rate!r}")
+  rate = float(rate)
+  if not 0.0 <= rate < 1.0:
+    raise ValueError(f"dropout_rate must be in [0, 1); got {rate}")
+  if not isinstance(broadcast, bool):
+    raise TypeError(f"dropout_broadcast must be a bool; got {broadcast!r}")
+  if rng is not None and not dropout.is_key(rng):
+    got = _shape_str(rng) if hasattr(rng, "dtype") else type(rng).__name__
+    raise TypeError("dropout_rng must be a PRNG key: jax.random.key(seed) or a uint32[2] "
+                    f"jax.random.PRNGKey(seed); got {got}")
+  if rate == 0.0:
+    return 0.0, None, False
+  if rng is None:
+    raise ValueError(f"dropout_rng is required when dropout_rate > 0 (got dropout_rate={rate}); "
+                     "pass a PRNG key, e.g. jax.random.key(0)")
+  return rate, dropout.seed_words(rng), broadcast
+
+
+def _check_alibi(slopes, num_heads):
+  if slopes is None:
+    return None
+  if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+    slopes = np.asarray(slopes)
+  if not jnp.issubdtype(slopes.dtype, jnp.floating) or tuple(slopes.shape) != (num_heads,):
+    raise ValueError(f"alibi_slopes must be a float array [num_heads]=({num_heads},) "
+                     f"(flash_layers.alibi_slopes({num_heads}) gives the standard ones); "
+                     f"got {_shape_str(slopes)}")
+  return jnp.asarray(slopes, jnp.float32)
+
+
+def _check_bias(bias, shape):
+  if bias is None:
+    return None
+  if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
+    raise TypeError(f"bias must be a float array broadcastable to [batch, heads, q_len, kv_len]={shape}; "
+                    f"got {type(bias).__name__}")
+  if not jnp.issubdtype(bias.dtype, jnp.floating) or bias.ndim > 4:
+    raise ValueError(f"bias must be a float array broadcastable to [batch, heads, q_len, kv_len]={shape}; "
+                     f"got {_shape_str(bias)}")
+  shape4 = (1,) * (4 - bias.ndim) + tuple(bias.shape)
+  if any(n not in (1, m) for n, m in zip(shape4, shape, strict=True)):
+    raise ValueError(f"bias must broadcast to [batch, heads, q_len, kv_len]={shape}; "
+                     f"got shape {tuple(bias.shape)}")
+  if isinstance(bias, jax.ShapeDtypeStruct):  # explain() on abstract arguments
+    return jax.ShapeDtypeStruct(shape4, bias.dtype)
+  return jnp.reshape(bias, shape4)
+
+
 def check_impl(impl: str) -> None:
   """Raise ValueError unless `impl` is one of IMPLS or \"auto\"."""
   if impl != AUTO and impl not in IMPLS:
@@ -108,7 +159,8 @@ def check_impl(impl: str) -> None:
 
 def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids=None,
             window=None, scale=None, softcap=None, block_sizes=None, dense_mask=None,
-            q_offset=0, kv_offset=0) -> tuple[Request, Args]:
+            q_offset=0, kv_offset=0, dropout_rate=0.0, dropout_rng=None, dropout_broadcast=False,
+            alibi_slopes=None, bias=None) -> tuple[Request, Args]:
   """Validate a call; return its static Request and array Args."""
   _check_qkv(query, key, value)
   b, t, h, d = query.shape
@@ -128,12 +180,17 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
     except ValueError:
       raise ValueError(f"mask must broadcast to [batch, heads, q_len, kv_len]=({b}, {h}, {t}, {s}); "
                        f"got {tuple(dense_mask.shape)}") from None
+  rate, seed, broadcast = _check_dropout(dropout_rate, dropout_rng, dropout_broadcast)
+  slopes = _check_alibi(alibi_slopes, h)
+  bias = _check_bias(bias, (b, h, t, s))
   request = Request(
       batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kvh, head_dim=d, head_dim_v=dv,
       dtype=jnp.dtype(query.dtype).name, spec=spec, has_segment_ids=q_seg is not None,
       scale=d ** -0.5 if scale is None else scale, softcap=softcap,
-      has_dense_mask=dense_mask is not None, block_sizes=block_sizes)
-  return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask)
+      has_dense_mask=dense_mask is not None, block_sizes=block_sizes, dropout_rate=rate,
+      dropout_broadcast=broadcast, has_alibi=slopes is not None, has_bias=bias is not None)
+  return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask, dropout_seed=seed,
+                       alibi_slopes=slopes, bias=bias)
 
 
 # ----------------------------------------------------------------------------
@@ -197,8 +254,10 @@ def _log_auto_choice(request: Request, platform: str, name: str, reason: str):
 
 
 def _signature(r: Request) -> str:
+  extras = "".join(f"+{name}" for name, on in (
+      (f"dropout={r.dropout_rate}", r.has_dropout), ("alibi", r.has_alibi), ("bias", r.has_bias)) if on)
   return (f"{r.dtype}[b={r.batch}, q={r.q_len}, kv={r.kv_len}, h={r.num_heads}/{r.num_kv_heads}, "
-          f"d={r.head_dim}/{r.head_dim_v}] {r.spec.describe(r.has_segment_ids)}")
+          f"d={r.head_dim}/{r.head_dim_v}] {r.spec.describe(r.has_segment_ids)}{extras}")
 
 
 # Platforms whose choice may differ: the call is lowered with one branch per platform.

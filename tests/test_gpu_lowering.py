@@ -98,3 +98,16 @@ def test_float32_lowers_too():
       lambda q, k, v: jax.grad(lambda q: fl.attention(q, k, v, impl="flash_pallas", causal=True).sum())(q),
       *specs)
   assert sorted(KERNEL_NAME.findall(text)) == sorted(FORWARD_BACKWARD)
+
+
+def test_dropout_and_alibi_lower_to_our_triton_kernels():
+  """The in-kernel hash (int32 multiply, xor, logical shifts) and ALiBi lower through Triton."""
+  specs = _specs(2, 384, 4, 2, 64, segments=True)
+
+  def loss(q, k, v, seg):
+    out = fl.attention(q, k, v, impl="flash_pallas", causal=True, segment_ids=seg, dropout_rate=0.1,
+                       dropout_rng=jax.random.key(0), alibi_slopes=fl.alibi_slopes(4))
+    return out.astype(jnp.float32).sum()
+
+  text = _lower_for_cuda(jax.grad(loss, (0, 1, 2)), *specs)
+  assert sorted(KERNEL_NAME.findall(text)) == sorted(FORWARD_BACKWARD)

@@ -138,3 +138,16 @@ def test_cpu_lowering_interprets_instead():
   q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)
   lowered = jax.jit(lambda q: fl.attention(q, q, q, impl="flash_pallas", causal=True)).lower(q)
   assert "tpu_custom_call" not in lowered.as_text()
+
+
+def test_dropout_and_alibi_compile_with_no_extra_memory():
+  """Dropout and ALiBi inside the Mosaic kernels (v5e, 16k tokens, forward + backward): still our
+  three kernels, and compiled temporaries at most 1.2x those without (no [q, kv] mask exists)."""
+  shape = Shape("grad_causal_packed_16k_d64", 16384, 4, 4, 64, causal=True, packed=True)
+  plain = _compile("v5e", shape)
+  extra = _compile("v5e", shape, dropout_rate=0.1, dropout_rng=jax.random.key(0),
+                   alibi_slopes=fl.alibi_slopes(4))
+  assert _mosaic_kernels(extra.as_text()) == sorted(KERNELS)
+  without = plain.memory_analysis().temp_size_in_bytes
+  with_dropout = extra.memory_analysis().temp_size_in_bytes
+  assert with_dropout <= 1.2 * without, (with_dropout, without)

@@ -13,6 +13,18 @@ An impl is a small object registered in `flash_layers.impls.REGISTRY`:
   differentiable, including through ``lse`` (ring attention combines shards by
   it).
 
+The computation every impl performs (the contract, written once):
+
+  logits = scale * q.k^T + alibi + bias   (alibi[h, i, j] = -slope[h] * |i - j|, global positions)
+  logits = c * tanh(logits / c)           (softcap c, if any)
+  logits = -inf where the mask hides the key (causal, window, segments, dense mask)
+  p = softmax(logits) in float32;  lse = logsumexp(logits)  (the normaliser *before* dropout)
+  p = p * keep / (1 - rate)               (dropout; keep from `flash_layers.dropout.keep`)
+  out = p v
+
+lse is the pre-dropout normaliser because dropout is linear in p: ring attention merges
+per-shard outputs by their lse and gets exactly the dropped-out global softmax.
+
 Adding an impl is one module plus one line in `impls/__init__.py`.
 """
 
@@ -48,6 +60,14 @@ class Request:
   softcap: float | None
   has_dense_mask: bool = False
   block_sizes: Any = None
+  dropout_rate: float = 0.0  # 0: no dropout
+  dropout_broadcast: bool = False  # one mask for every batch row and head
+  has_alibi: bool = False
+  has_bias: bool = False
+
+  @property
+  def has_dropout(self) -> bool:
+    return self.dropout_rate > 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +79,11 @@ class Args:
   q_offset: Any = 0
   kv_offset: Any = 0
   dense_mask: jax.Array | None = None  # bool, broadcastable to [b, h, q, kv]
+  dropout_seed: jax.Array | None = None  # int32[2] from the dropout key (flash_layers.dropout)
+  batch_offset: Any = 0  # global index of the first batch row / query head held here (sharded
+  head_offset: Any = 0   # calls), so the dropout hash sees global indices
+  alibi_slopes: jax.Array | None = None  # float32 [num_heads] of the heads held here
+  bias: jax.Array | None = None  # float, rank 4, broadcastable to [b, h, q, kv]
 
 
 class Impl(Protocol):

@@ -9,18 +9,21 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks
+from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
 
 
-def masked_softmax_attention(q, k, v, mask, scale, softcap):
+def masked_softmax_attention(q, k, v, mask, scale, softcap, extra=None, keep=None, rate=0.0):
   """Attention over grouped heads in float32.
 
   q [b, t, kvh, g, d], k [b, s, kvh, d], v [b, s, kvh, dv], mask broadcastable to
-  [b, kvh, g, t, s]. Returns out [b, t, kvh, g, dv] float32 and lse [b, kvh, g, t].
+  [b, kvh, g, t, s]; ``extra`` (alibi + bias) and ``keep`` (the dropout mask) broadcast
+  the same way. Returns out [b, t, kvh, g, dv] float32 and lse [b, kvh, g, t] (pre-dropout).
   """
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision="highest") * scale
+  if extra is not None:
+    logits = logits + extra
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   mask = jnp.broadcast_to(mask, logits.shape)
@@ -33,7 +36,10 @@ def masked_softmax_attention(q, k, v, mask, scale, softcap):
   denom = p.sum(-1, keepdims=True)
   has_key = denom > 0
   safe_denom = jnp.where(has_key, denom, 1.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", p / safe_denom, v, precision="highest")
+  p = p / safe_denom
+  if keep is not None:
+    p = jnp.where(keep, p * dropout.keep_scale(rate), 0.0)
+  out = jnp.einsum("bkgts,bskd->btkgd", p, v, precision="highest")
   lse = jnp.where(has_key, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
   return out, lse
 
@@ -58,6 +64,34 @@ class Reference:
       # [b, h, t, s] -> [b, kvh, g, t, s]
       dm = jnp.broadcast_to(args.dense_mask, (b, h, t, k.shape[1]))
       mask = mask & dm.reshape(b, kvh, g, t, k.shape[1])
+    s = k.shape[1]
+    q_pos = args.q_offset + jnp.arange(t, dtype=jnp.int32)[:, None]
+    kv_pos = args.kv_offset + jnp.arange(s, dtype=jnp.int32)[None, :]
+    extra = None
+    if args.alibi_slopes is not None:
+      extra = dropout.alibi(args.alibi_slopes[:, None, None], q_pos, kv_pos)[None]  # [1, h, t, s]
+    if args.bias is not None:
+      bias = args.bias.astype(jnp.float32)
+      extra = bias if extra is None else extra + bias
+    if extra is not None:
+      extra = jnp.broadcast_to(extra, (extra.shape[0], h, t, s)).reshape(-1, kvh, g, t, s)
+    keep = None
+    if request.has_dropout:
+      keep = dense_keep(request, args, b, h, t, s)
+      keep = keep.reshape(*((1, 1, 1) if request.dropout_broadcast else (b, kvh, g)), t, s)
     out, lse = masked_softmax_attention(q.reshape(b, t, kvh, g, d), k, v, mask,
-                                        request.scale, request.softcap)
+                                        request.scale, request.softcap, extra, keep,
+                                        request.dropout_rate)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
+
+
+def dense_keep(request: Request, args: Args, b: int, h: int, t: int, s: int):
+  """The dropout keep mask, bool [b, h, t, s] ([1, 1, t, s] when broadcast), global indices."""
+  if request.dropout_broadcast:
+    bi = hi = jnp.zeros((1, 1, 1, 1), jnp.int32)
+  else:
+    bi = args.batch_offset + jnp.arange(b, dtype=jnp.int32)[:, None, None, None]
+    hi = args.head_offset + jnp.arange(h, dtype=jnp.int32)[None, :, None, None]
+  q_pos = args.q_offset + jnp.arange(t, dtype=jnp.int32)[:, None]
+  kv_pos = args.kv_offset + jnp.arange(s, dtype=jnp.int32)[None, :]
+  return dropout.keep(dropout.stream(args.dropout_seed, bi, hi), q_pos, kv_pos, request.dropout_rate)

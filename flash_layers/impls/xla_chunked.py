@@ -12,6 +12,11 @@ Chunks the mask makes wholly invisible are never visited: each q chunk loops
 over the ``kv_count`` visible kv chunks listed in ``masks.block_map``'s
 ``kv_index``; inside a visited chunk, ``masks.visible`` masks element-wise.
 
+Dropout, ALiBi: each visited tile hashes its keep mask (`dropout.keep`) and its
+ALiBi term from global indices, in the forward and again in the backward; no
+[q_len, kv_len] array exists. A dense ``bias`` is sliced per tile, and its
+gradient (dS before the logit scale) is written tile by tile.
+
 Layout inside: q ``[b, nq, kvh, g, bq, d]`` (g = query heads per kv head, so
 GQA/MQA read each kv head once, never repeated), k/v ``[b, nk, kvh, bk, d]``.
 The per-row work is written for one batch row and vmapped over the batch,
@@ -22,11 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks
+from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import pad_to
 
@@ -61,6 +67,9 @@ class _ChunkedCall:
   num_kv_heads: int
   group: int  # query heads per kv head
   heads_in_mask: bool  # the dense mask has a head axis (else it broadcasts over heads)
+  dropout_rate: float = 0.0
+  dropout_broadcast: bool = False
+  heads_in_bias: bool = False  # the bias has a head axis (else it broadcasts over heads)
 
 
 def _dot(a, b, spec):
@@ -71,12 +80,53 @@ def _dot(a, b, spec):
   return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
 
 
+class _Extras(NamedTuple):
+  """Per-call operands beyond q, k, v, segment ids and the block lists (any may be None)."""
+
+  dense: jax.Array | None   # bool [b|1, h|1, tp, sp]
+  bias: jax.Array | None    # float [b|1, h|1, tp, sp]
+  slopes: jax.Array | None  # float32 [kvh, g]
+  ints: jax.Array           # int32 [q_offset, kv_offset, batch_offset, head_offset, seed0, seed1]
+
+
 class _Row:
   """One batch row's chunked attention: the element mask and the logits of a (q chunk, kv chunk) tile."""
 
-  def __init__(self, st: _ChunkedCall, q_seg, kv_seg, q_offset, kv_offset, dense):
-    self.st, self.q_seg, self.kv_seg, self.dense = st, q_seg, kv_seg, dense
-    self.q_offset, self.kv_offset = q_offset, kv_offset
+  def __init__(self, st: _ChunkedCall, q_seg, kv_seg, dense, bias, slopes, ints, batch_index):
+    self.st, self.q_seg, self.kv_seg, self.dense, self.bias = st, q_seg, kv_seg, dense, bias
+    self.slopes = slopes
+    self.q_offset, self.kv_offset = ints[0], ints[1]
+    self.stream = None
+    if st.dropout_rate > 0:
+      if st.dropout_broadcast:
+        self.stream = dropout.stream(ints[4:6], 0, 0)[None, None]  # [1, 1]
+      else:
+        heads = ints[3] + jnp.arange(st.num_kv_heads * st.group, dtype=jnp.int32)
+        self.stream = dropout.stream(ints[4:6], ints[2] + batch_index,
+                                     heads.reshape(st.num_kv_heads, st.group))  # [kvh, g]
+
+  def positions(self, qb, kb):
+    """Global positions (q [bq, 1], kv [1, bk]) of a tile."""
+    q_pos = self.q_offset + qb * self.st.block_q + jnp.arange(self.st.block_q, dtype=jnp.int32)
+    kv_pos = self.kv_offset + kb * self.st.block_kv + jnp.arange(self.st.block_kv, dtype=jnp.int32)
+    return q_pos[:, None], kv_pos[None, :]
+
+  def keep(self, qb, kb):
+    """The dropout multiplier of a tile, float32 [kvh|1, g|1, bq, bk] (0 or 1 / (1 - rate)), or None."""
+    if self.stream is None:
+      return None
+    q_pos, kv_pos = self.positions(qb, kb)
+    kept = dropout.keep(self.stream[..., None, None], q_pos, kv_pos, self.st.dropout_rate)
+    return jnp.where(kept, jnp.float32(dropout.keep_scale(self.st.dropout_rate)), 0.0)
+
+  def bias_tile(self, qb, kb):
+    """float32 [kvh|1, g|1, bq, bk] of the dense bias, or None."""
+    st = self.st
+    tile = jax.lax.dynamic_slice(self.bias, (0, qb * st.block_q, kb * st.block_kv),
+                                 (self.bias.shape[0], st.block_q, st.block_kv)).astype(jnp.float32)
+    if st.heads_in_bias:
+      return tile.reshape(st.num_kv_heads, st.group, st.block_q, st.block_kv)
+    return tile[None]
 
   def mask(self, qb, kb):
     """bool [kvh|1, g|1, bq, bk]: may query (chunk qb, row i) attend key (chunk kb, column j)?"""
@@ -104,18 +154,24 @@ class _Row:
       ok = ok & tile
     return ok
 
-  def logits(self, q_blk, k_blk):
-    """float32 [kvh, g, bq, bk]: scale * q.k, soft-capped. Also returns tanh for the softcap's derivative."""
+  def logits(self, q_blk, k_blk, qb, kb):
+    """float32 [kvh, g, bq, bk]: scale * q.k + alibi + bias, soft-capped. Also returns tanh for the
+    softcap's derivative."""
     s = _dot(q_blk, k_blk, "kgtd,ksd->kgts") * self.st.scale
+    if self.slopes is not None:
+      s = s + dropout.alibi(self.slopes[..., None, None], *self.positions(qb, kb))
+    if self.bias is not None:
+      s = s + self.bias_tile(qb, kb)
     if self.st.softcap is None:
       return s, None
     t = jnp.tanh(s / self.st.softcap)
     return self.st.softcap * t, t
 
 
-def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, q_offset, kv_offset):
+def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, bias, slopes, ints,
+                 batch_index):
   """One batch row. q [nq, kvh, g, bq, d], k/v [nk, kvh, bk, d|dv] -> out f32 [nq, kvh, g, bq, dv], lse."""
-  row = _Row(st, q_seg, kv_seg, q_offset, kv_offset, dense)
+  row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index)
   kvh, g, bq, dv = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
 
   def q_chunk(args):
@@ -124,7 +180,7 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, d
     def visit(i, carry):
       m, denom, acc = carry
       kb = kv_index[qb, i]
-      s, _ = row.logits(q_blk, k[kb])
+      s, _ = row.logits(q_blk, k[kb], qb, kb)
       s = jnp.where(row.mask(qb, kb), s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(-1))
       # A row with nothing visible yet keeps m = -inf; shifting by 0 then keeps
@@ -132,7 +188,10 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, d
       shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)
       p = jnp.exp(s - shift[..., None])
       correction = jnp.exp(m - shift)
-      denom = correction * denom + p.sum(-1)
+      denom = correction * denom + p.sum(-1)  # the normaliser (and lse) is taken before dropout
+      keep = row.keep(qb, kb)
+      if keep is not None:
+        p = p * keep
       acc = correction[..., None] * acc + _dot(p, v[kb], "kgts,ksv->kgtv")
       return m_new, denom, acc
 
@@ -148,15 +207,17 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, d
   return jax.lax.map(q_chunk, (jnp.arange(q.shape[0], dtype=jnp.int32), q))
 
 
-def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, q_offset, kv_offset,
-                  lse, delta, dout):
-  """One batch row's dq, dk, dv (float32), recomputing each visited tile's probabilities from lse.
+def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, bias, slopes, ints,
+                  batch_index, lse, delta, dout):
+  """One batch row's dq, dk, dv (float32) and dbias, recomputing each visited tile's probabilities from lse.
 
-  With s the (capped) logits and p = exp(s - lse):
-    dv += p^T dO;  dp = dO v^T;  ds = p * (dp - delta)   where delta = rowsum(dO * O) - dlse
-    (through the softcap: ds *= 1 - tanh^2);  dq += scale * ds k;  dk += scale * ds^T q.
+  With s the (capped) logits, p = exp(s - lse) and m the dropout multiplier (1 without dropout):
+    dv += (m p)^T dO;  dp = m * (dO v^T);  ds = p * (dp - delta)   where delta = rowsum(dO * O) - dlse
+    (through the softcap: ds *= 1 - tanh^2);  dbias = ds;  dq += scale * ds k;  dk += scale * ds^T q.
+  (sum_j p m dO.v_j = dO.O, so delta is unchanged by dropout.)
   """
-  row = _Row(st, q_seg, kv_seg, q_offset, kv_offset, dense)
+  row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index)
+  bias_heads = None if bias is None else bias.shape[0]
   # A row that sees no key has lse = -inf and p = 0 everywhere; shift it by 0 to keep exp() finite.
   lse = jnp.where(lse == -jnp.inf, 0.0, lse)
 
@@ -165,76 +226,88 @@ def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, 
     qb, q_blk, lse_blk, delta_blk, do_blk = args
 
     def visit(i, inner):
-      dq, dk, dv = inner
+      dq, dk, dv, dbias = inner
       kb = kv_index[qb, i]
       k_blk, v_blk = k[kb], v[kb]
-      s, tanh = row.logits(q_blk, k_blk)
+      s, tanh = row.logits(q_blk, k_blk, qb, kb)
       p = jnp.where(row.mask(qb, kb), jnp.exp(s - lse_blk[..., None]), 0.0)
-      dv_blk = _dot(p, do_blk, "kgts,kgtv->ksv")
-      ds = p * (_dot(do_blk, v_blk, "kgtv,ksv->kgts") - delta_blk[..., None])
+      dp = _dot(do_blk, v_blk, "kgtv,ksv->kgts")
+      keep = row.keep(qb, kb)
+      pm = p if keep is None else p * keep
+      if keep is not None:
+        dp = dp * keep
+      dv_blk = _dot(pm, do_blk, "kgts,kgtv->ksv")
+      ds = p * (dp - delta_blk[..., None])
       if tanh is not None:
         ds = ds * (1.0 - tanh * tanh)
+      if dbias is not None:  # [h|1, bq, sp]: this q chunk's rows, written at kv chunk kb
+        tile = ds.reshape(-1, *ds.shape[2:]) if bias_heads > 1 else ds.sum((0, 1))[None]
+        dbias = jax.lax.dynamic_update_slice_in_dim(dbias, tile, kb * st.block_kv, 2)
       ds = ds * st.scale
       dq = dq + _dot(ds, k_blk, "kgts,ksd->kgtd")
       dk_blk = _dot(ds, q_blk, "kgts,kgtd->ksd")
       dk = jax.lax.dynamic_update_index_in_dim(dk, dk[kb] + dk_blk, kb, 0)
       dv = jax.lax.dynamic_update_index_in_dim(dv, dv[kb] + dv_blk, kb, 0)
-      return dq, dk, dv
+      return dq, dk, dv, dbias
 
     dq = jnp.zeros(q_blk.shape, jnp.float32)
-    dq, dk, dv = jax.lax.fori_loop(0, kv_count[qb], visit, (dq, dk, dv))
-    return (dk, dv), dq
+    dbias = None if bias is None else jnp.zeros((bias_heads, st.block_q, bias.shape[2]), jnp.float32)
+    dq, dk, dv, dbias = jax.lax.fori_loop(0, kv_count[qb], visit, (dq, dk, dv, dbias))
+    return (dk, dv), (dq, dbias)
 
   init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
   xs = (jnp.arange(q.shape[0], dtype=jnp.int32), q, lse, delta, dout)
-  (dk, dv), dq = jax.lax.scan(q_chunk, init, xs)
-  return dq, dk, dv
+  (dk, dv), (dq, dbias) = jax.lax.scan(q_chunk, init, xs)
+  if dbias is not None:  # [nq, h|1, bq, sp] -> [h|1, tp, sp]
+    dbias = jnp.swapaxes(dbias, 0, 1).reshape(bias_heads, -1, bias.shape[2])
+  return dq, dk, dv, dbias
 
 
-def _batch_axes(q_seg, kv_index, dense):
-  """vmap in_axes for (q_seg, kv_seg, kv_index, kv_count, dense): per row, or shared by all rows."""
-  seg_axis = None if q_seg is None else 0
-  map_axis = 0 if kv_index.shape[0] > 1 else None
-  dense_axis = None if dense is None or dense.shape[0] == 1 else 0
-  return seg_axis, seg_axis, map_axis, map_axis, dense_axis
+def _row_axis(x):
+  """vmap in_axis of an array with a leading batch axis of size b or 1 (shared by every row)."""
+  return None if x is None or x.shape[0] == 1 else 0
 
 
-def _squeeze_shared(kv_index, kv_count, dense):
+def _squeeze_shared(*arrays):
   """Drop the size-1 batch axis of arrays shared by every row (vmap with in_axes None)."""
-  if kv_index.shape[0] == 1:
-    kv_index, kv_count = kv_index[0], kv_count[0]
-  if dense is not None and dense.shape[0] == 1:
-    dense = dense[0]
-  return kv_index, kv_count, dense
+  return tuple(x[0] if x is not None and x.shape[0] == 1 else x for x in arrays)
+
+
+def _row_inputs(q_seg, kv_seg, kv_index, kv_count, extras: _Extras):
+  """(arrays, vmap in_axes) of the per-row inputs after q, k, v: segments, block lists, extras."""
+  arrays = (q_seg, kv_seg, kv_index, kv_count, extras.dense, extras.bias)
+  axes = tuple(_row_axis(x) for x in arrays)
+  return (*_squeeze_shared(*arrays), extras.slopes, extras.ints), (*axes, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, offsets):
-  return _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, offsets)[0]
+def _chunked(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, extras):
+  return _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, extras)[0]
 
 
-def _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, offsets):
-  axes = _batch_axes(q_seg, kv_index, dense)
-  kv_index_, kv_count_, dense_ = _squeeze_shared(kv_index, kv_count, dense)
-  fwd = jax.vmap(_forward_row, in_axes=(None, 0, 0, 0, *axes, None, None))
-  out, lse = fwd(st, q, k, v, q_seg, kv_seg, kv_index_, kv_count_, dense_, offsets[0], offsets[1])
-  residuals = (q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, offsets, out, lse)
+def _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, extras):
+  arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, extras)
+  fwd = jax.vmap(_forward_row, in_axes=(None, 0, 0, 0, *axes, 0))
+  out, lse = fwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32))
+  residuals = (q, k, v, q_seg, kv_seg, kv_index, kv_count, extras, out, lse)
   return (out, lse), residuals
 
 
 def _chunked_bwd(st, residuals, cotangents):
-  q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, offsets, out, lse = residuals
+  q, k, v, q_seg, kv_seg, kv_index, kv_count, extras, out, lse = residuals
   dout, dlse = cotangents
   dout = dout.astype(jnp.float32)
   # d lse_i / d s_ij = p_ij, so an lse cotangent enters exactly like -delta.
   delta = jnp.sum(dout * out, axis=-1) - dlse.astype(jnp.float32)
-  axes = _batch_axes(q_seg, kv_index, dense)
-  kv_index_, kv_count_, dense_ = _squeeze_shared(kv_index, kv_count, dense)
-  bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, None, None, 0, 0, 0))
-  dq, dk, dv = bwd(st, q, k, v, q_seg, kv_seg, kv_index_, kv_count_, dense_, offsets[0], offsets[1],
-                   lse, delta, dout)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-          None, None, None, None, None, None)
+  arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, extras)
+  bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
+  dq, dk, dv, dbias = bwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32), lse, delta, dout)
+  if dbias is not None:  # [b, h|1, tp, sp], summed over the rows when the bias is shared by them
+    bias = extras.bias
+    dbias = (dbias.sum(0, keepdims=True) if bias.shape[0] == 1 else dbias).astype(bias.dtype)
+  slopes = None if extras.slopes is None else jnp.zeros_like(extras.slopes)
+  d_extras = _Extras(None, dbias, slopes, None)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, d_extras)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
@@ -271,7 +344,9 @@ class XlaChunked:
     nq, nk = -(-t // bq), -(-s // bk)
     tp, sp = nq * bq, nk * bk
     st = _ChunkedCall(request.spec, request.scale, request.softcap, t, s, bq, bk, kvh, g,
-                 heads_in_mask=args.dense_mask is not None and args.dense_mask.shape[1] != 1)
+                      heads_in_mask=args.dense_mask is not None and args.dense_mask.shape[1] != 1,
+                      dropout_rate=request.dropout_rate, dropout_broadcast=request.dropout_broadcast,
+                      heads_in_bias=args.bias is not None and args.bias.shape[1] != 1)
 
     # [b, t, h, d] -> [b, nq, kvh, g, bq, d]; [b, s, kvh, d] -> [b, nk, kvh, bk, d].
     qc = pad_to(q, 1, tp).reshape(b, nq, bq, kvh, g, d).transpose(0, 1, 3, 4, 2, 5)
@@ -288,9 +363,17 @@ class XlaChunked:
       dense = pad_to(pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
     bm = masks.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
                          args.q_offset, args.kv_offset)
-    offsets = (jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32))
+    bias = None
+    if args.bias is not None:  # [b|1, h|1, tp, sp]; padded entries are masked anyway
+      bias = jnp.broadcast_to(args.bias, (*args.bias.shape[:2], t, s))
+      bias = pad_to(pad_to(bias, 2, tp), 3, sp)
+    slopes = None if args.alibi_slopes is None else args.alibi_slopes.reshape(kvh, g)
+    seed = args.dropout_seed if args.dropout_seed is not None else jnp.zeros((2,), jnp.int32)
+    ints = jnp.stack([jnp.asarray(x, jnp.int32) for x in (
+        args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)] + [seed[0], seed[1]])
+    extras = _Extras(dense, bias, slopes, ints)
 
-    out, lse = _chunked(st, qc, kc, vc, q_seg, kv_seg, bm.kv_index, bm.kv_count, dense, offsets)
+    out, lse = _chunked(st, qc, kc, vc, q_seg, kv_seg, bm.kv_index, bm.kv_count, extras)
     # [b, nq, kvh, g, bq, dv] -> [b, t, h, dv]; lse [b, nq, kvh, g, bq] -> [b, h, t].
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, dv)[:, :t].astype(q.dtype)
     lse = lse.transpose(0, 2, 3, 1, 4).reshape(b, h, tp)[:, :, :t]

@@ -1,7 +1,9 @@
 """`jax.nn.dot_product_attention`: XLA's fused attention, cuDNN on GPU where eligible.
 
-It has no softcap and needs head_dim_v == head_dim; those requests raise
-UnsupportedError. Segment ids, windows and ring offsets become a boolean mask
+It has no softcap, no dropout and needs head_dim_v == head_dim; those requests
+raise UnsupportedError. ALiBi becomes part of its `bias` argument (a dense
+[heads, q, kv] array: this impl holds dense [b, h, q, kv] logits anyway).
+Segment ids, windows and ring offsets become a boolean mask
 (which also keeps cuDNN from being picked; a plain causal call stays maskless
 and cuDNN-eligible).
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks
+from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
 
 _CUDNN_DTYPES = ("bfloat16", "float16")
@@ -24,12 +26,27 @@ def _uses_plain_causal(request: Request, args: Args) -> bool:
           and args.dense_mask is None and static_zero)
 
 
+def _bias(request: Request, args: Args, q_len: int, kv_len: int):
+  """alibi + bias as one float32 array broadcastable to [b, h, q, kv], or None."""
+  total = None
+  if args.alibi_slopes is not None:
+    q_pos = args.q_offset + jnp.arange(q_len, dtype=jnp.int32)[:, None]
+    kv_pos = args.kv_offset + jnp.arange(kv_len, dtype=jnp.int32)[None, :]
+    total = dropout.alibi(args.alibi_slopes[:, None, None], q_pos, kv_pos)[None]
+  if args.bias is not None:
+    bias = args.bias.astype(jnp.float32)
+    total = bias if total is None else total + bias
+  return total
+
+
 class XlaNative:
   name = "xla_native"
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     if request.softcap is not None:
       return "softcap"
+    if request.has_dropout:
+      return "dropout (jax.nn.dot_product_attention has none)"
     if request.head_dim_v != request.head_dim:
       return "head_dim_v != head_dim"
     return None
@@ -38,7 +55,7 @@ class XlaNative:
     cudnn_ok = (platform == "cuda" and request.dtype in _CUDNN_DTYPES
                 and request.head_dim <= 128 and request.head_dim % 8 == 0
                 and not request.has_segment_ids and request.spec.window is None
-                and not request.has_dense_mask)
+                and not request.has_dense_mask and not request.has_alibi and not request.has_bias)
     return "cudnn" if cudnn_ok else "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
@@ -55,11 +72,14 @@ class XlaNative:
       # XLA:CPU cannot emit a half-precision dot with no free dimension ("ALG_DOT_BF16_BF16_F32
       # not supported by the ElementalIrEmitter"); a single-element call costs nothing in float32.
       q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    out, lse = jax.nn.dot_product_attention(q, k, v, mask=mask, scale=request.scale,
+    bias = _bias(request, args, q.shape[1], k.shape[1])
+    if bias is not None and dtype != jnp.float32:
+      bias = bias.astype(dtype)  # XLA adds it to logits of the input dtype
+    out, lse = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=request.scale,
                                             is_causal=is_causal, return_residual=True)
     out = out.astype(dtype)
     lse = jnp.swapaxes(lse.astype(jnp.float32), 1, 2)  # [b, t, h] -> [b, h, t]
-    lse = lse + _lse_gradient(q, k, mask, request.scale, is_causal)
+    lse = lse + _lse_gradient(q, k, bias, mask, request.scale, is_causal)
     if mask is not None:
       # XLA gives a row with no visible key the mean of all values; the contract says 0.
       has_key = jnp.any(jnp.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[1])),
@@ -69,7 +89,7 @@ class XlaNative:
     return out, lse
 
 
-def _lse_gradient(q, k, mask, scale, is_causal):
+def _lse_gradient(q, k, bias, mask, scale, is_causal):
   """Zero, with the gradient of lse: `dot_product_attention`'s residual carries none.
 
   d lse_i / d q_i = scale * sum_j p_ij k_j and d lse_i / d k_j = scale * p_ij q_i. With
@@ -79,9 +99,22 @@ def _lse_gradient(q, k, mask, scale, is_causal):
   attention does).
   """
   sg = jax.lax.stop_gradient
-  keys_mean = jax.nn.dot_product_attention(sg(q), sg(k), k, mask=mask, scale=scale,
+  sg_bias = None if bias is None else sg(bias)
+  keys_mean = jax.nn.dot_product_attention(sg(q), sg(k), k, bias=sg_bias, mask=mask, scale=scale,
                                            is_causal=is_causal).astype(jnp.float32)
   q32 = q.astype(jnp.float32)
   surrogate = scale * jnp.sum(q32 * sg(keys_mean) + sg(q32) * keys_mean, axis=-1)  # [b, t, h]
   surrogate = jnp.swapaxes(surrogate, 1, 2)
+  if bias is not None:
+    # d lse_i / d bias_ij = p_ij: sum_j sg(p_ij) bias_ij, from dense probabilities (this impl
+    # holds dense logits anyway; XLA drops it when nothing differentiates lse).
+    logits = scale * jnp.einsum("bthd,bshd->bhts", sg(q32),
+                                jnp.repeat(sg(k).astype(jnp.float32), q.shape[2] // k.shape[2], 2))
+    logits = logits + sg(bias).astype(jnp.float32)
+    visible = jnp.ones(logits.shape, bool) if mask is None else jnp.broadcast_to(mask, logits.shape)
+    if is_causal:
+      visible = visible & jnp.tril(jnp.ones(logits.shape[-2:], bool))
+    p = jax.nn.softmax(jnp.where(visible, logits, -jnp.inf), axis=-1, where=visible)
+    p = jnp.where(visible, p, 0.0)
+    surrogate = surrogate + jnp.sum(sg(p) * bias.astype(jnp.float32), axis=-1)
   return surrogate - sg(surrogate)

@@ -53,13 +53,20 @@ class RingConfig:
   chunks: int  # chunks per device: 1 contiguous, 2 zig-zag
 
 
-def ring_attention(q, k, v, q_seg, kv_seg, config: RingConfig):
-  """Local blocks in (contiguous shard_map layout) -> local (out, lse) in the same layout."""
+def ring_attention(q, k, v, q_seg, kv_seg, config: RingConfig, args: Args | None = None):
+  """Local blocks in (contiguous shard_map layout) -> local (out, lse) in the same layout.
+
+  ``args``: the local call's dropout seed, global batch/head offsets and ALiBi slopes (its
+  segment ids and positions are ignored: the ring supplies them per step).
+  """
+  args = Args() if args is None else args
+  extras = (args.dropout_seed, jnp.asarray(args.batch_offset, jnp.int32),
+            jnp.asarray(args.head_offset, jnp.int32), args.alibi_slopes)
   if config.chunks == 2:
     q, k, v, q_seg, kv_seg = (_to_zigzag(x, config) for x in (q, k, v, q_seg, kv_seg))
   else:
     q, k, v, q_seg, kv_seg = ([x] for x in (q, k, v, q_seg, kv_seg))
-  out, lse = _ring(config)(q, k, v, q_seg, kv_seg)
+  out, lse = _ring(config)(q, k, v, q_seg, kv_seg, extras)
   if config.chunks == 2:
     return _from_zigzag(out, config, seq_dim=1), _from_zigzag(lse, config, seq_dim=2)
   return out[0], lse[0]
@@ -124,8 +131,10 @@ def _pair_visible(config: RingConfig, q_off, kv_off, q_seg, kv_seg):
   return jnp.any(bm.visible)
 
 
-def _attend_pair(config: RingConfig, q, k, v, q_seg, kv_seg, q_off, kv_off):
-  args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=q_off, kv_offset=kv_off)
+def _attend_pair(config: RingConfig, extras, q, k, v, q_seg, kv_seg, q_off, kv_off):
+  seed, batch_offset, head_offset, slopes = extras
+  args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=q_off, kv_offset=kv_off,
+              dropout_seed=seed, batch_offset=batch_offset, head_offset=head_offset, alibi_slopes=slopes)
   return dispatch.attend(q, k, v, impl=config.impl, request=config.request, args=args)
 
 
@@ -161,7 +170,7 @@ def _ring(config: RingConfig):
   r = config.request
   n, chunks = config.size, config.chunks
 
-  def forward(q, k, v, q_seg, kv_seg):
+  def forward(q, k, v, q_seg, kv_seg, extras):
     me = jax.lax.axis_index(config.axis)
     q_offs = _offsets(me, config, r.q_len)
     b, t, h, _ = q[0].shape
@@ -176,9 +185,9 @@ def _ring(config: RingConfig):
       for a in range(chunks):
         for c in range(chunks):
           qs, ks = q_seg[a], kv_seg[c]
-          part = jax.lax.cond(
-              _pair_visible(config, q_offs[a], kv_offs[c], qs, ks),
-              functools.partial(_attend_pair, config), empty, q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
+          attend = functools.partial(_attend_pair, config, extras)
+          part = jax.lax.cond(_pair_visible(config, q_offs[a], kv_offs[c], qs, ks), attend, empty,
+                              q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
           out_acc[a], lse_acc[a] = _merge(out_acc[a], lse_acc[a], *part)
       return out_acc, lse_acc
 
@@ -193,15 +202,15 @@ def _ring(config: RingConfig):
     return [o.astype(q[0].dtype) for o in out_acc], lse_acc
 
   @jax.custom_vjp
-  def ring(q, k, v, q_seg, kv_seg):
-    return forward(q, k, v, q_seg, kv_seg)
+  def ring(q, k, v, q_seg, kv_seg, extras):
+    return forward(q, k, v, q_seg, kv_seg, extras)
 
-  def ring_fwd(q, k, v, q_seg, kv_seg):
-    out, lse = forward(q, k, v, q_seg, kv_seg)
-    return (out, lse), (q, k, v, q_seg, kv_seg, out, lse)
+  def ring_fwd(q, k, v, q_seg, kv_seg, extras):
+    out, lse = forward(q, k, v, q_seg, kv_seg, extras)
+    return (out, lse), (q, k, v, q_seg, kv_seg, extras, out, lse)
 
   def ring_bwd(residuals, cotangents):
-    q, k, v, q_seg, kv_seg, out, lse = residuals
+    q, k, v, q_seg, kv_seg, extras, out, lse = residuals
     d_out, d_lse = cotangents
     me = jax.lax.axis_index(config.axis)
     q_offs = _offsets(me, config, r.q_len)
@@ -212,7 +221,7 @@ def _ring(config: RingConfig):
 
     def pair_grads(q_a, k_c, v_c, qs, ks, qo, ko, d_out_a, delta_a, d_lse_a, lse_a):
       (out_r, lse_r), pull = jax.vjp(
-          lambda q_, k_, v_: _attend_pair(config, q_, k_, v_, qs, ks, qo, ko), q_a, k_c, v_c)
+          lambda q_, k_, v_: _attend_pair(config, extras, q_, k_, v_, qs, ks, qo, ko), q_a, k_c, v_c)
       w = _lse_weight(lse_r, lse_a)
       own = jnp.swapaxes(jnp.sum(d_out_a.astype(jnp.float32) * out_r.astype(jnp.float32), -1), 1, 2)
       grads = pull(((d_out_a.astype(jnp.float32) * _rows(w)).astype(out_r.dtype),
@@ -243,7 +252,7 @@ def _ring(config: RingConfig):
     (_, _, _, dk, dv, dq), _ = jax.lax.scan(
         step_fn, (k, v, kv_seg, f32_zeros(k), f32_zeros(v), f32_zeros(q)), jnp.arange(n))
     cast = lambda gs, xs: [g.astype(x.dtype) for g, x in zip(gs, xs, strict=True)]  # noqa: E731
-    return cast(dq, q), cast(dk, k), cast(dv, v), None, None
+    return cast(dq, q), cast(dk, k), cast(dv, v), None, None, None
 
   ring.defvjp(ring_fwd, ring_bwd)
   return ring

@@ -26,7 +26,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flash_layers import dispatch, lowering
-from flash_layers.impls import Args, Request
+from flash_layers.impls import Args, Request, UnsupportedError
 from flash_layers.parallel import mesh as mesh_lib
 from flash_layers.parallel import ring
 
@@ -133,6 +133,9 @@ def _shard_map(f, plan: Plan, in_specs, out_specs):
 def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args, plan: Plan):
   """`dispatch.attend`, split over `plan.mesh`; returns the global (out, lse)."""
   dispatch.resolve(impl, plan.local, lowering.default_platform())  # an explicit impl refuses here
+  if args.bias is not None and plan.sequence > 1:
+    raise UnsupportedError("dense bias with a sequence-sharded (ring) mesh: the bias would travel "
+                           "with K/V; use alibi_slopes, or a mesh with sequence=1")
   if plan.kv_gather is not None:
     index = jnp.asarray(plan.kv_gather, jnp.int32)
     key, value = jnp.take(key, index, axis=2), jnp.take(value, index, axis=2)
@@ -142,21 +145,37 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
   heads_spec = P(batch, sequence, tensor, None)
   seg_spec = P(batch, sequence)
   has_segments = args.q_segment_ids is not None
+  # Dropout hashes *global* batch rows and heads: each device adds the start of its shard.
+  extras = {name: x for name, x in (("dropout_seed", args.dropout_seed), ("alibi_slopes", args.alibi_slopes),
+                                    ("bias", args.bias)) if x is not None}
+  extra_specs = {"dropout_seed": P(), "alibi_slopes": P(tensor)}
+  if args.bias is not None:
+    extra_specs["bias"] = P(batch if args.bias.shape[0] > 1 else None,
+                            tensor if args.bias.shape[1] > 1 else None, None, None)
 
-  def local_call(q, k, v, *segments):
-    q_seg, kv_seg = segments if has_segments else (None, None)
+  def local_call(q, k, v, *rest):
+    q_seg, kv_seg = rest[:2] if has_segments else (None, None)
+    local = dict(zip(extras, rest[2 if has_segments else 0:], strict=True))
+    batch_offset = head_offset = 0
+    if plan.batch_axes:
+      batch_offset = jax.lax.axis_index(plan.batch_axes) * plan.local.batch
+    if plan.tensor > 1:
+      head_offset = jax.lax.axis_index("tensor") * plan.local.num_heads
+    local_args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, batch_offset=batch_offset,
+                      head_offset=head_offset, **local)
     if plan.sequence == 1:
-      local_args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg)
       return dispatch.attend(q, k, v, impl=impl, request=plan.local, args=local_args)
     config = ring.RingConfig(impl=impl, request=plan.local, axis="sequence", size=plan.sequence,
                              chunks=plan.chunks)
-    return ring.ring_attention(q, k, v, q_seg, kv_seg, config)
+    return ring.ring_attention(q, k, v, q_seg, kv_seg, config, local_args)
 
   operands = (query, key, value)
   in_specs = (heads_spec,) * 3
   if has_segments:
     operands += (args.q_segment_ids, args.kv_segment_ids)
     in_specs += (seg_spec, seg_spec)
+  operands += tuple(extras.values())
+  in_specs += tuple(extra_specs[name] for name in extras)
   out_specs = (heads_spec, P(batch, tensor, sequence))
   operands = _match_explicit_axes(plan, operands, in_specs)
   return _shard_map(local_call, plan, in_specs, out_specs)(*operands)

@@ -50,6 +50,8 @@ class FlashPallas:
   def unsupported(self, request: Request, platform: str) -> str | None:
     if request.has_dense_mask:  # the kernels skip blocks by the mask spec, never by an array
       return "dense mask"
+    if request.has_bias:  # an O(q * kv) operand per head defeats the kernels' purpose
+      return "dense bias"
     family, _ = family_for(platform)
     return _family(family).unsupported(request)
 

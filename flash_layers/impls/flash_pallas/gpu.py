@@ -27,6 +27,10 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
   masked; padded query rows are computed and dropped.
 * head_dim 16..256: padded to a power of two (what `tl.dot` wants); the zero
   columns change neither logits nor outputs.
+* Dropout and ALiBi: each tile hashes its keep mask (`dropout.keep`, the function every
+  impl uses) and its ALiBi term from global positions, in the forward and again in
+  both backward kernels. Slopes and per-(batch, head) dropout streams come in the
+  small int32 offsets table (`dropout.kernel_table`).
 * Masks: positions are global (`q_offset`/`kv_offset`, possibly traced, come in
   as a tiny int32 array), and the element predicate inside a tile is
   `masks.visible` itself, the one definition every impl uses. Tiles the block
@@ -51,7 +55,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flash_layers import masks
+from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes, pad_to, round_up
 
@@ -145,6 +149,8 @@ def unsupported(request: Request) -> str | None:
   """The first feature of `request` these kernels cannot serve, or None."""
   if request.has_dense_mask:
     return "dense mask"
+  if request.has_bias:
+    return "dense bias"
   if request.dtype not in SUPPORTED_DTYPES:
     return f"dtype {request.dtype} (GPU kernels take {', '.join(SUPPORTED_DTYPES)})"
   if max(request.head_dim, request.head_dim_v) > MAX_HEAD_DIM:
@@ -206,8 +212,35 @@ class _GpuCall:
 # The tile computation shared by all three kernels
 # ----------------------------------------------------------------------------
 
+def _positions(st: _GpuCall, offsets_ref, q_block, kv_block, block_q, block_kv):
+  """Global positions of a tile: q [block_q, 1], kv [1, block_kv] (None when unused)."""
+  if not (st.request.has_alibi or st.request.has_dropout):
+    return None
+  q_pos = offsets_ref[0] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  kv_pos = offsets_ref[1] + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+  return q_pos[:, None], kv_pos[None, :]
+
+
+def _alibi(st: _GpuCall, offsets_ref, head, positions):
+  """The ALiBi term of a tile (slope bits from the offsets table), or None."""
+  if not st.request.has_alibi:
+    return None
+  return dropout.alibi(lax.bitcast_convert_type(offsets_ref[2 + head], jnp.float32), *positions)
+
+
+def _keep(st: _GpuCall, offsets_ref, batch, head, positions):
+  """The dropout multiplier of a tile (0 or 1 / (1 - rate)), or None."""
+  r = st.request
+  if not r.has_dropout:
+    return None
+  start = 2 + (r.num_heads if r.has_alibi else 0)
+  stream = offsets_ref[start + batch * r.num_heads + head]
+  kept = dropout.keep(stream, *positions, r.dropout_rate)
+  return jnp.where(kept, jnp.float32(dropout.keep_scale(r.dropout_rate)), jnp.float32(0.0))
+
+
 def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full, offsets_ref,
-                 q_seg, kv_seg):
+                 q_seg, kv_seg, alibi=None):
   """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
 
   `full` (from the block map) says every pair of the tile is visible: the element
@@ -219,8 +252,13 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full,
   tanh_t = None
   if st.request.softcap is None:
     s2 = raw * (st.request.scale * LOG2E)
+    if alibi is not None:
+      s2 = s2 + alibi * LOG2E
   else:
-    tanh_t = jnp.tanh(raw * (st.request.scale / st.request.softcap))
+    x = raw * st.request.scale
+    if alibi is not None:
+      x = x + alibi
+    tanh_t = jnp.tanh(x * (1.0 / st.request.softcap))
     s2 = tanh_t * (st.request.softcap * LOG2E)
   if not st.needs_mask:
     return s2, tanh_t
@@ -260,7 +298,8 @@ def _forward_kernel(st: _GpuCall, *refs):
   q_ref, k_ref, v_ref, o_ref, lse_ref = refs
   block_q, block_kv = st.cfg.block_q, st.cfg.block_kv
   q_block, bh = pl.program_id(0), pl.program_id(1)
-  map_row = bh // st.request.num_heads if st.has_segments else 0  # block map batch row
+  batch, head = bh // st.request.num_heads, bh % st.request.num_heads
+  map_row = batch if st.has_segments else 0  # block map batch row
 
   q = q_ref[...]
   q_seg = q_seg_ref[...] if st.has_segments else None
@@ -270,18 +309,24 @@ def _forward_kernel(st: _GpuCall, *refs):
     kv_block = kv_index_ref[map_row, q_block, step]
     kv_slice = pl.ds(kv_block * block_kv, block_kv)
     kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
+    positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, _ = _tile_logits(st, q, k_ref[kv_slice, :], q_block, kv_block, block_q, block_kv,
-                         kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg)
+                         kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg,
+                         _alibi(st, offsets_ref, head, positions))
     m_new = jnp.maximum(m, s2.max(axis=-1))
     # A row that has seen only masked keys keeps m = -inf; subtracting 0 instead
     # keeps exp2 at exp2(-inf) = 0 rather than exp2(nan).
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     rescale = jnp.exp2(m - m_safe)
     p = jnp.exp2(s2 - m_safe[:, None])
+    denom = denom * rescale + p.sum(axis=-1)  # the normaliser (and lse) is taken before dropout
+    keep = _keep(st, offsets_ref, batch, head, positions)
+    if keep is not None:
+      p = p * keep
     v = v_ref[kv_slice, :]
     pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                          preferred_element_type=jnp.float32)
-    return acc * rescale[:, None] + pv, m_new, denom * rescale + p.sum(axis=-1)
+    return acc * rescale[:, None] + pv, m_new, denom
 
   init = (jnp.zeros((block_q, st.dv_pad), jnp.float32),
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
@@ -305,7 +350,9 @@ def _dkv_kernel(st: _GpuCall, *refs):
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   kv_block, bkv = pl.program_id(0), pl.program_id(1)
-  map_row = bkv // st.request.num_kv_heads if st.has_segments else 0
+  batch = bkv // st.request.num_kv_heads
+  first_head = (bkv % st.request.num_kv_heads) * st.group  # the group's first query head
+  map_row = batch if st.has_segments else 0
 
   k, v = k_ref[...], v_ref[...]
   kv_seg = kv_seg_ref[...] if st.has_segments else None
@@ -318,14 +365,21 @@ def _dkv_kernel(st: _GpuCall, *refs):
       q_slice = pl.ds(q_block * block_q, block_q)
       q = q_ref[q_slice, head, :]
       q_seg = q_seg_ref[q_slice] if st.has_segments else None
+      positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
       s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv,
-                                q_full_ref[map_row, kv_block, step], offsets_ref, q_seg, kv_seg)
+                                q_full_ref[map_row, kv_block, step], offsets_ref, q_seg, kv_seg,
+                                _alibi(st, offsets_ref, first_head + head, positions))
       # lse2 is +inf for rows that see no key, so their p is exactly 0.
       p = jnp.exp2(s2 - lse2_ref[head, q_slice][:, None])
       do = do_ref[q_slice, head, :]
-      dv = dv + lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
       dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      # Dropout: dV sums the kept, rescaled p; dP flows only through kept entries; D is unchanged.
+      keep = _keep(st, offsets_ref, batch, first_head + head, positions)
+      pk = p if keep is None else p * keep
+      if keep is not None:
+        dp = dp * keep
+      dv = dv + lax.dot_general(pk.astype(do.dtype), do, (((0,), (0,)), ((), ())),
+                                preferred_element_type=jnp.float32)
       ds = _grad_logits(st, p, dp, delta_ref[head, q_slice], tanh_t)
       dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
@@ -347,7 +401,8 @@ def _dq_kernel(st: _GpuCall, *refs):
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   q_block, bh = pl.program_id(0), pl.program_id(1)
-  map_row = bh // st.request.num_heads if st.has_segments else 0
+  batch, head = bh // st.request.num_heads, bh % st.request.num_heads
+  map_row = batch if st.has_segments else 0
 
   q, do = q_ref[...], do_ref[...]
   lse2, delta = lse2_ref[...], delta_ref[...]
@@ -358,11 +413,16 @@ def _dq_kernel(st: _GpuCall, *refs):
     kv_slice = pl.ds(kv_block * block_kv, block_kv)
     kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
     k = k_ref[kv_slice, :]
+    positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv,
-                              kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg)
+                              kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg,
+                              _alibi(st, offsets_ref, head, positions))
     p = jnp.exp2(s2 - lse2[:, None])
     dp = lax.dot_general(do, v_ref[kv_slice, :], (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
+    keep = _keep(st, offsets_ref, batch, head, positions)
+    if keep is not None:
+      dp = dp * keep
     ds = _grad_logits(st, p, dp, delta, tanh_t)
     return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
                                 preferred_element_type=jnp.float32)
@@ -564,5 +624,7 @@ _flash.defvjp(_flash_forward, _flash_backward)
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
   st = _GpuCall(request, config(request), bool(interpret))
-  offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
+  offsets = jnp.concatenate([  # [q_offset, kv_offset, alibi slopes, dropout streams]
+      jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
+      dropout.kernel_table(request, args, q.shape[0], request.num_heads)])
   return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)

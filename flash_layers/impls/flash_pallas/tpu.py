@@ -43,7 +43,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_layers import lowering, masks
+from flash_layers import dropout, lowering, masks
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
 
@@ -117,6 +117,8 @@ def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
 def unsupported(request: Request) -> str | None:
   if request.has_dense_mask:  # blocks are skipped by the mask spec; an arbitrary array has none
     return "dense mask"
+  if request.has_bias:
+    return "dense bias"
   plan = max(_plan_entries(request, blocks) for blocks in _blocks(request))
   if plan > MAX_PLAN_ENTRIES:
     return (f"a block plan of {plan} tiles (SMEM holds {MAX_PLAN_ENTRIES}; use larger block_sizes, "
@@ -155,6 +157,13 @@ class _TpuCall:
   has_segments: bool
   static_offsets: tuple[int, int] | None  # for the cost estimate; None when traced
   interpret: bool
+  num_heads: int = 0   # local query heads: where the dropout streams start in the offsets table
+  alibi: bool = False
+  dropout_rate: float = 0.0
+
+  @property
+  def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
+    return self.alibi or self.dropout_rate > 0
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
@@ -169,8 +178,8 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
     offsets_static = (int(args.q_offset), int(args.kv_offset))
   cfg = _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
-                request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
-                offsets_static, interpret)
+                 request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
+                 offsets_static, interpret, request.num_heads, request.has_alibi, request.dropout_rate)
   q_pad = round_up(request.q_len, math.lcm(fwd[0], bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(fwd[1], bwd[1]))
 
@@ -178,7 +187,10 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
     x = jnp.swapaxes(x, 1, 2)
     return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
 
-  offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
+  # offsets: [q_offset, kv_offset, alibi slopes, dropout streams] (dropout.kernel_table), in SMEM.
+  offsets = jnp.concatenate([
+      jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
+      dropout.kernel_table(request, args, q.shape[0], request.num_heads)])
   out, lse = _flash(cfg, to_kernel_layout(q, q_pad), to_kernel_layout(k, kv_pad),
                     to_kernel_layout(v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
   out = jnp.swapaxes(out[:, :, :request.q_len], 1, 2)
@@ -212,6 +224,8 @@ def _compiler_params(semantics: tuple[str, ...]):
 
 
 class _Step(NamedTuple):
+  batch: jax.Array    # local batch row and query head of this grid point
+  head: jax.Array
   q_block: jax.Array
   kv_block: jax.Array
   full: jax.Array     # every pair of the tile is visible: no element mask
@@ -277,12 +291,12 @@ class _Grid:
   def step(self, plan_ref, count_ref) -> _Step:
     """Inside a kernel: where this grid step is."""
     ids = [pl.program_id(axis) for axis in range(len(self.shape))]
-    _, _, _, q_block, kv_block, row, entry = self.locate(ids, plan_ref)
+    batch, head, _, q_block, kv_block, row, entry = self.locate(ids, plan_ref)
     first = last = True
     for axis in range(3, len(self.shape)):
       first = first & (ids[axis] == 0)
       last = last & (ids[axis] == self.shape[axis] - 1)
-    return _Step(q_block, kv_block, (entry & 1) == 1, ids[-1] < count_ref[row], first, last)
+    return _Step(batch, head, q_block, kv_block, (entry & 1) == 1, ids[-1] < count_ref[row], first, last)
 
 
 def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool):
@@ -327,14 +341,46 @@ def _column(row):
   return jnp.transpose(jnp.broadcast_to(row, (LANES, row.shape[1])))
 
 
-def _tile_visible(cfg: _TpuCall, offsets_ref, step: _Step, shape, q_axis, q_seg, kv_seg):
-  """The element mask of one tile; q positions run along ``q_axis`` (0, or 1 when transposed)."""
+class _Tile(NamedTuple):
+  """Positions of one tile (q along ``q_axis``: 0, or 1 when transposed), local and global."""
+
+  q_local: jax.Array
+  kv_local: jax.Array
+  q_pos: jax.Array
+  kv_pos: jax.Array
+
+
+def _tile(offsets_ref, step: _Step, shape, q_axis) -> _Tile:
   block_q, block_kv = shape[q_axis], shape[1 - q_axis]
   q_local = step.q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
   kv_local = step.kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-  ok = masks.visible(offsets_ref[0] + q_local, offsets_ref[1] + kv_local, cfg.spec, q_seg, kv_seg)
+  return _Tile(q_local, kv_local, offsets_ref[0] + q_local, offsets_ref[1] + kv_local)
+
+
+def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg):
+  """The element mask of one tile."""
+  ok = masks.visible(tile.q_pos, tile.kv_pos, cfg.spec, q_seg, kv_seg)
   # Padded tail positions see nothing and are seen by nothing (q_len % block_q etc. may be != 0).
-  return ok & (q_local < cfg.q_len) & (kv_local < cfg.kv_len)
+  return ok & (tile.q_local < cfg.q_len) & (tile.kv_local < cfg.kv_len)
+
+
+def _alibi(cfg: _TpuCall, offsets_ref, step: _Step, tile: _Tile | None):
+  """The ALiBi term of a tile (slope bits read from SMEM), or None."""
+  if not cfg.alibi:
+    return None
+  slope = jax.lax.bitcast_convert_type(offsets_ref[2 + step.head], jnp.float32)
+  return dropout.alibi(slope, tile.q_pos, tile.kv_pos)
+
+
+def _dropout(cfg: _TpuCall, offsets_ref, step: _Step, tile: _Tile | None):
+  """The dropout multiplier of a tile (0 or 1 / (1 - rate)), or None: `dropout.keep` on global
+  positions with this (batch row, head)'s stream from SMEM."""
+  if cfg.dropout_rate == 0:
+    return None
+  start = 2 + (cfg.num_heads if cfg.alibi else 0)
+  stream = offsets_ref[start + step.batch * cfg.num_heads + step.head]
+  kept = dropout.keep(stream, tile.q_pos, tile.kv_pos, cfg.dropout_rate)
+  return jnp.where(kept, jnp.float32(dropout.keep_scale(cfg.dropout_rate)), jnp.float32(0.0))
 
 
 def _when_visited(step: _Step, update):
@@ -343,10 +389,12 @@ def _when_visited(step: _Step, update):
   pl.when(step.visited & ~step.full)(lambda: update(masked=True))
 
 
-def _logits(cfg: _TpuCall, a, b):
-  """scale * a @ b^T in float32, soft-capped; also returns tanh(.) for the softcap gradient."""
+def _logits(cfg: _TpuCall, a, b, alibi=None):
+  """scale * a @ b^T (+ alibi) in float32, soft-capped; also returns tanh(.) for the softcap gradient."""
   s = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
   s = s * cfg.scale
+  if alibi is not None:
+    s = s + alibi
   if cfg.softcap is None:
     return s, None
   capped = jnp.tanh(s / cfg.softcap)
@@ -391,10 +439,12 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid
       q_seg_scr[...] = _column(q_seg_ref[...])
 
   def update(masked: bool):
-    s, _ = _logits(cfg, q_ref[...], k_ref[...])
+    shape = (grid.block_q, grid.block_kv)
+    tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
+    s, _ = _logits(cfg, q_ref[...], k_ref[...], _alibi(cfg, offsets_ref, step, tile))
     if masked:
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      s = jnp.where(_tile_visible(cfg, offsets_ref, step, s.shape, 0, *seg), s, -jnp.inf)
+      s = jnp.where(_tile_visible(cfg, tile, *seg), s, -jnp.inf)
     # Online softmax: with the new row max m', rescale what was summed under the old max m by
     # exp(m - m') and add this block's exp(s - m'). A row with nothing visible yet keeps
     # m' = -inf; shifting it by 0 instead makes its p and its rescale factor exactly 0, not NaN.
@@ -403,7 +453,10 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid
     shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
     p = jnp.exp(s - shift[:, :1])
     rescale = jnp.exp(m_prev - shift)
-    l_scr[...] = rescale * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
+    l_scr[...] = rescale * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)  # lse: before dropout
+    keep = _dropout(cfg, offsets_ref, step, tile)
+    if keep is not None:
+      p = p * keep
     v = v_ref[...]
     acc_scr[...] = acc_scr[...] * rescale[:, :1] + jnp.dot(
         p.astype(v.dtype), v, preferred_element_type=jnp.float32)
@@ -465,15 +518,23 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _G
 
   def update(masked: bool):
     q, do = q_ref[...], do_ref[...]
-    s_t, capped = _logits(cfg, k_ref[...], q)  # [bk, bq]
+    shape = (grid.block_kv, grid.block_q)
+    tile = _tile(offsets_ref, step, shape, 1) if masked or cfg.needs_positions else None
+    s_t, capped = _logits(cfg, k_ref[...], q, _alibi(cfg, offsets_ref, step, tile))  # [bk, bq]
     if masked:
       seg = (q_seg_ref[...], kv_seg_scr[:, :1]) if cfg.has_segments else (None, None)
-      s_t = jnp.where(_tile_visible(cfg, offsets_ref, step, s_t.shape, 1, *seg), s_t, -jnp.inf)
+      s_t = jnp.where(_tile_visible(cfg, tile, *seg), s_t, -jnp.inf)
     # lse is +inf for rows that see no key (set by the wrapper): their p is exactly 0.
     p_t = jnp.exp(s_t - lse_ref[...])
-    dv_scr[...] += jnp.dot(p_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
     dp_t = jax.lax.dot_general(v_ref[...], do, (((1,), (1,)), ((), ())),
                                preferred_element_type=jnp.float32)
+    keep = _dropout(cfg, offsets_ref, step, tile)
+    # Dropout: dV sums the kept, rescaled probabilities; dP passes only through kept entries.
+    # delta = rowsum(dO * O) is unchanged (sum_j p_j keep_j dO.v_j = dO.O).
+    pk_t = p_t if keep is None else p_t * keep
+    if keep is not None:
+      dp_t = dp_t * keep
+    dv_scr[...] += jnp.dot(pk_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
     ds_t = p_t * (dp_t - delta_ref[...])
     if capped is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
       ds_t = ds_t * (1.0 - capped * capped)
@@ -507,13 +568,18 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Gr
 
   def update(masked: bool):
     k, do = k_ref[...], do_ref[...]
-    s, capped = _logits(cfg, q_ref[...], k)  # [bq, bk]
+    shape = (grid.block_q, grid.block_kv)
+    tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
+    s, capped = _logits(cfg, q_ref[...], k, _alibi(cfg, offsets_ref, step, tile))  # [bq, bk]
     if masked:
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      s = jnp.where(_tile_visible(cfg, offsets_ref, step, s.shape, 0, *seg), s, -jnp.inf)
+      s = jnp.where(_tile_visible(cfg, tile, *seg), s, -jnp.inf)
     p = jnp.exp(s - lse_scr[:, :1])
     dp = jax.lax.dot_general(do, v_ref[...], (((1,), (1,)), ((), ())),
                              preferred_element_type=jnp.float32)
+    keep = _dropout(cfg, offsets_ref, step, tile)
+    if keep is not None:
+      dp = dp * keep
     ds = p * (dp - delta_scr[:, :1])
     if capped is not None:
       ds = ds * (1.0 - capped * capped)
