@@ -298,11 +298,15 @@ def test_attention_fn_in_nnx_mha(impl):
 def test_attention_fn_refuses_what_it_cannot_do():
   q = k = v = jnp.ones((1, 4, 2, 8))
   fn = fl.attention_fn(impl="reference")
-  with pytest.raises(fl.UnsupportedError, match="bias"):
-    fn(q, k, v, bias=jnp.zeros((1, 2, 4, 4)))
+  with pytest.raises(fl.UnsupportedError, match="dense bias"):
+    fl.attention_fn(impl="flash_pallas")(q, k, v, bias=jnp.zeros((1, 2, 4, 4)))
   with pytest.raises(fl.UnsupportedError, match="dropout"):
+    fl.attention_fn(impl="xla_native")(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="needs a dropout_rng"):
     fn(q, k, v, dropout_rate=0.1, deterministic=False)
   np.testing.assert_allclose(fn(q, k, v, dropout_rate=0.1, deterministic=True), v)
+  with pytest.raises(ValueError, match="bias must broadcast"):
+    fn(q, k, v, bias=jnp.zeros((3, 4, 4)))
   with pytest.raises(fl.UnsupportedError, match="sow_weights"):
     fn(q, k, v, module=object())
   with pytest.raises(TypeError, match="surprise"):
