@@ -155,6 +155,11 @@ def _set(tree, path, value):
   tree[path[-1]] = value
 
 
+def attention_dropout_of(path: str | pathlib.Path) -> float:
+  """The checkpoint's attention_probs_dropout_prob (Hugging Face BertConfig's default 0.1 if absent)."""
+  return float(read_config(resolve_path(path)).get("attention_probs_dropout_prob", 0.1))
+
+
 def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: int = 512,
                     num_labels: int | None = None, position_extension: str = "repeat",
                     seed: int = 0, **overrides) -> tuple[Bert, dict]:
@@ -167,7 +172,8 @@ def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: in
     num_labels: classes of a new classification head (None: no head).
     position_extension: "repeat" or "interpolate" (module docstring).
     seed: init of the parameters the checkpoint lacks (heads).
-    **overrides: other `Bert` fields: pooling, dropout_rate, dtype, remat, remat_policy, mlm_head...
+    **overrides: other `Bert` fields: pooling, dropout_rate, attention_dropout_rate, dtype, remat,
+      remat_policy, mlm_head...
   Returns:
     the model and its params (plain arrays; `param_axes(model)` gives their logical axes).
   """
@@ -184,6 +190,7 @@ def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: in
       layer_norm_eps=config.get("layer_norm_eps", 1e-12),
       initializer_range=config.get("initializer_range", 0.02),
       dropout_rate=config.get("hidden_dropout_prob", 0.1),
+      attention_dropout_rate=attention_dropout_of(path),
       max_len=max(max_len, table_rows), num_labels=num_labels, impl=impl)
   unknown = sorted(set(overrides) - set(Bert.__dataclass_fields__) - {"parent", "name"})
   if unknown:

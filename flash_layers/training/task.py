@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import readers
+from flash_layers.training import config as config_lib
 from flash_layers.training import steps as steps_lib
 
 log = logging.getLogger("flash_layers.training")
@@ -130,7 +131,8 @@ def materialized_eval_batches(records, tokenizer, global_batch: int):
 def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: int | None):
   """(model, pretrained params as host numpy arrays, or None when training from scratch)."""
   m = config.model
-  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype],
+  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate,
+                attention_dropout_rate=config_lib.attention_dropout(config), dtype=models.DTYPES[m.dtype],
                 remat=m.remat)
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
