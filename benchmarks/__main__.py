@@ -58,7 +58,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--summary", action="store_true",
                  help="print impl x length tables per mask, dtype and pass instead of one row per cell")
   p.add_argument("--targets", action="store_true",
-                 help="also print the issue's targets: memory vs reference, packed-document blocks")
+                 help="also print the targets: memory vs reference, packed-document blocks")
   p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list (rewritten as rows finish)")
   p.add_argument("--from-json", metavar="PATH", nargs="+",
                  help="run nothing: merge these JSON row lists (a later row replaces an earlier one of "

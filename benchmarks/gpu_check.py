@@ -258,7 +258,7 @@ def time_cell(impl, length, head_dim, causal, pass_, plan: Plan) -> dict:
                 "tflops": flops(batch, plan.heads, length, head_dim, causal, pass_) / seconds / 1e12}
 
 
-# The target cell (H200, bf16): timed first, so a run cut short by its budget still has it.
+# The headline target cell (H200, bf16): timed first, so a run cut short by its budget still has it.
 TARGET = (8192, 128, True)
 
 

@@ -159,7 +159,7 @@ def summary(rows: list[dict[str, Any]]) -> str:
 
 
 def targets(rows: list[dict[str, Any]], impls=("xla_chunked", "flash_pallas")) -> str:
-  """The issue's targets, read off the rows.
+  """The benchmark targets, read off the rows.
 
   * memory: reference temp / impl temp at the longest length (target >= 50x), and the growth
     of the impl's temp per doubling of length up to it (2x = linear, 4x = quadratic);

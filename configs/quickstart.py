@@ -3,7 +3,7 @@
     python train.py --config configs/quickstart.py --workdir runs/quickstart
     python eval.py  --config configs/quickstart.py --workdir runs/quickstart
 
-Sized to finish in under 10 minutes on a 2-core CPU (README: measured time and test accuracy).
+Sized to finish in under 10 minutes on a 2-core CPU (docs/training.md: measured time and test accuracy).
 Every field is documented in flash_layers/training/config.py; only the changes are here.
 """
 

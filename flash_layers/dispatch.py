@@ -23,7 +23,7 @@ log = logging.getLogger("flash_layers")
 AUTO = "auto"
 
 # On CPU, dense XLA attention wins while its [q_len, kv_len] logits stay small;
-# from this many keys on, xla_chunked's O(len * chunk) memory wins (README: rule table).
+# from this many keys on, xla_chunked's O(len * chunk) memory wins (docs/contract.md: the auto rule).
 CPU_CHUNKED_MIN_KV_LEN = 2048
 
 
@@ -198,7 +198,7 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
 # ----------------------------------------------------------------------------
 
 def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
-  """The per-backend rule table (README, "How auto chooses"): candidates in order, with why."""
+  """The per-backend rule table (docs/contract.md, "How auto chooses"): candidates in order, with why."""
   if platform == "tpu":
     return [("flash_pallas", "TPU: our Mosaic flash kernel"),
             ("xla_chunked", "TPU: flash_pallas cannot serve it; chunked keeps memory linear"),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator
 
 import jax
@@ -48,3 +49,22 @@ def default_platform() -> str:
   if backend == "gpu":
     return "rocm" if "rocm" in jax.devices()[0].client.platform_version.lower() else "cuda"
   return backend
+
+
+def manual_device_count() -> int:
+  """How many devices the enclosing `shard_map` spans (1 outside one), read while tracing.
+
+  The TPU-semantics interpreter synchronises every device at each kernel launch, and its
+  callbacks copy their arguments through CPU device 0; on a multi-device CPU host the two can
+  wait on each other forever. The TPU family therefore uses the plain interpreter there.
+  """
+  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
+  mesh = get_mesh() if get_mesh is not None else None
+  if mesh is None or getattr(mesh, "empty", True):
+    return 1
+  manual = getattr(mesh, "manual_axes", None)
+  if manual is None:
+    types = getattr(mesh, "axis_types", None) or ()
+    manual = [n for n, t in zip(mesh.axis_names, types, strict=False) if "manual" in str(t).lower()]
+  shape = dict(mesh.shape)
+  return math.prod(int(shape[a]) for a in manual)

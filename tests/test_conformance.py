@@ -43,7 +43,7 @@ CASES = [
     ("flash_pallas", "gpu"),
 ]
 
-# Features a case refuses by design (README feature table) -> the suite expects UnsupportedError.
+# Features a case refuses by design (docs/contract.md feature table) -> the suite expects UnsupportedError.
 REFUSED = {
     ("xla_native", None): ("softcap", "head_dim_v"),
 }

@@ -116,7 +116,7 @@ def test_explain_counts_packed_documents_and_causal_blocks():
     docs = fl.explain(q, q, q, impl="flash_pallas", segment_ids=packed)
     causal = fl.explain(q, q, q, impl="flash_pallas", causal=True)
   assert docs.kernel == "pallas-tpu (interpret)"
-  # A perfect block diagonal is 16 / 256 = 0.0625 of the blocks; the issue allows 1.25x that.
+  # A perfect block diagonal is 16 / 256 = 0.0625 of the blocks; the target allows 1.25x that.
   assert docs.blocks_visited / docs.blocks_total <= 0.078
   assert abs(causal.blocks_visited / causal.blocks_total - 0.5) < 0.05  # 136/256 at 512 tiles
 

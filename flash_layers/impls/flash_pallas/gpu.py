@@ -75,7 +75,7 @@ MAX_GRID_Y = 65535
 # (generation, largest head_dim of the bucket) -> defaults. Starting points from
 # the usual FlashAttention-2 Triton settings, sized to each generation's shared
 # memory (Hopper: 227 KiB per block, A100: 163 KiB, consumer Ampere/Ada: 99 KiB,
-# hence the smaller "ampere" stages). Not yet tuned on hardware: see the README.
+# hence the smaller "ampere" stages). Not yet tuned on hardware: see docs/kernels.md.
 #
 #   gen     head_dim  fwd q x kv  warps stages | bwd q x kv  warps stages
 #   hopper    <=64     128 x 64     4     3    |   64 x 64     4     2

@@ -51,8 +51,8 @@ from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
 # Block sizes
 # ----------------------------------------------------------------------------
 
-# Defaults per TPU generation. Chosen from the hardware, not tuned on it (these machines have no
-# TPU): large enough that each step's MXU work hides the K/V DMA of the next, small enough that
+# Defaults per TPU generation. Chosen from the hardware's documented limits, not yet tuned on
+# TPU hardware: large enough that each step's MXU work hides the K/V DMA of the next, small enough that
 # the f32 logits tiles and their temporaries (~5 x block_q x block_kv x 4 bytes) stay well inside
 # the default scoped VMEM, 16 MiB on v4/v5e and 32 MiB on v5p/v6e. v5e has the least HBM
 # bandwidth per FLOP, so longer kv blocks there would help most, but bounded VMEM keeps 512.
@@ -209,11 +209,16 @@ def _interpret_arg(interpret: bool):
   is the CPU branch of the dispatcher's `platform_dependent`, next to the compiled TPU branch;
   InterpretParams' io callbacks carry an ordered effect that the TPU branch lacks, and JAX then
   fails to lower the TPU branch alone. The plain interpreter (`True`) has no effects.
+
+  Inside a `shard_map` over several devices the plain interpreter is used too: InterpretParams
+  holds every device at a barrier when a kernel starts, while its callbacks copy their arguments
+  through CPU device 0, whose stream may be the one held at the barrier -- a deadlock on a
+  multi-device CPU host (seen with GQA under an 8-device data mesh).
   """
   if not interpret:
     return False
   params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
-  if params is None or lowering.interpreting() != "tpu":
+  if params is None or lowering.interpreting() != "tpu" or lowering.manual_device_count() > 1:
     return True
   return params()
 
