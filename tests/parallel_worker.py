@@ -37,10 +37,13 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
   window_mqa: a (5, 2) window, one kv head, no causal mask (the contiguous ring layout).
   uneven_gqa: 6 heads on 3 kv heads, so 2 tensor shards' heads straddle kv groups.
   explicit_mqa: causal_packed_gqa with one kv head, on a mesh with Explicit axis types.
+  dropout_alibi: causal_packed_gqa with dropout (rate 0.3) and ALiBi: the mask hashes global
+    batch rows, heads and positions, so every mesh must give the unsharded result.
+  bias_heads: a dense bias [batch, heads, q, kv], split with q over data and tensor.
   """
   rng = np.random.default_rng(seed)
   heads, kv_heads = {"causal_packed_gqa": (4, 2), "window_mqa": (4, 1), "uneven_gqa": (6, 3),
-                     "explicit_mqa": (4, 1)}[case]
+                     "explicit_mqa": (4, 1), "dropout_alibi": (4, 2), "bias_heads": (4, 2)}[case]
   q = rng.standard_normal((batch, length, heads, head_dim))
   k = rng.standard_normal((batch, length, kv_heads, head_dim))
   v = rng.standard_normal((batch, length, kv_heads, head_dim))
@@ -49,13 +52,19 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
     return q, k, v, {"window": (5, 2)}
   if case == "uneven_gqa":
     return q, k, v, {"causal": True}
+  if case == "bias_heads":
+    return q, k, v, {"causal": True, "bias": jnp.asarray(rng.standard_normal((batch, heads, length, length)),
+                                                          jnp.float32)}
   seg = np.zeros((batch, length), np.int32)
   for row in range(batch):
     bounds = np.sort(rng.choice(np.arange(1, length), size=3, replace=False))
     for doc, (lo, hi) in enumerate(zip((0, *bounds[:-1]), bounds, strict=True)):
       seg[row, lo:hi] = doc + 1
   kv_seg = np.where(seg == 2, 7, seg)
-  return q, k, v, {"causal": True, "segment_ids": jnp.asarray(seg), "kv_segment_ids": jnp.asarray(kv_seg)}
+  kwargs = {"causal": True, "segment_ids": jnp.asarray(seg), "kv_segment_ids": jnp.asarray(kv_seg)}
+  if case == "dropout_alibi":
+    kwargs.update(dropout_rate=0.3, dropout_rng=jax.random.key(11), alibi_slopes=fl.alibi_slopes(heads))
+  return q, k, v, kwargs
 
 
 def value_and_grads(impl, mesh, kwargs):
@@ -83,10 +92,10 @@ def relative_errors(actual, expected) -> dict[str, float]:
   return errors
 
 
-CASES = {"causal_packed_gqa": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
-         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),)}
+CASES = {"causal_packed_gqa": MESHES, "dropout_alibi": MESHES, "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
+         "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),), "bias_heads": ((2, 1, 4, 1),)}
 # Cases that test how a call is split, not an impl: run with the reference only.
-PLAN_CASES = ("uneven_gqa", "explicit_mqa")
+PLAN_CASES = ("uneven_gqa", "explicit_mqa", "bias_heads")
 
 
 def cases_for(impl: str) -> dict:

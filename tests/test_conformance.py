@@ -8,8 +8,10 @@ Each named configuration in CONFIGS exercises a few features at the smallest
 size that needs them; together they cover lengths 1/7/128/200/333/1024, q_len !=
 kv_len, batch 1 and 3, every (heads, kv heads) pair with heads in 1/2/4/8,
 head_dim 32/64/80/128/256 and head_dim_v != head_dim, causal, packed segment ids
-with padding, windows, softcap, rows that see no key, and a custom scale. Every
-configuration runs for every case in float32 and bfloat16.
+with padding, windows, softcap, rows that see no key, a custom scale, dropout (rates
+0.1 and 0.5, also broadcast; the oracle gets the keep mask from `fl.dropout_mask`),
+ALiBi and a dense bias (with its gradient). Every configuration runs for every case
+in float32 and bfloat16.
 
 Tolerances. float32: the worst error, relative to the float64 magnitude of the
 terms summed (reference64), is at most F32_TOL. bfloat16: the impl's error against float64
@@ -45,7 +47,9 @@ CASES = [
 
 # Features a case refuses by design (docs/contract.md feature table) -> the suite expects UnsupportedError.
 REFUSED = {
-    ("xla_native", None): ("softcap", "head_dim_v"),
+    ("xla_native", None): ("softcap", "head_dim_v", "dropout"),
+    ("flash_pallas", "tpu"): ("dense bias",),
+    ("flash_pallas", "gpu"): ("dense bias",),
 }
 
 F32_TOL = 1e-5
@@ -74,6 +78,10 @@ class Config:
   softcap: float | None = None
   scale: float | None = None
   input_scale: float = 1.0
+  dropout: float = 0.0
+  dropout_broadcast: bool = False
+  alibi: bool = False
+  bias: tuple[bool, bool, bool, bool] | None = None  # which of [b, h, t, s] the bias has (else 1)
 
   @property
   def s(self) -> int:
@@ -93,6 +101,10 @@ class Config:
       used.add("softcap")
     if self.dv != self.head_dim:
       used.add("head_dim_v")
+    if self.dropout:
+      used.add("dropout")
+    if self.bias is not None:
+      used.add("dense bias")
     return used
 
 
@@ -140,6 +152,20 @@ CONFIGS = [
            input_scale=2.0, segments="packed"),
     Config("scale_small", q_len=64, scale=0.05),
     Config("scale_large_causal", q_len=64, causal=True, scale=0.5),
+    # Dropout (tiny: the Pallas kernels run interpreted), ALiBi, dense bias.
+    Config("dropout01_causal", q_len=64, causal=True, dropout=0.1),
+    Config("dropout05_packed_gqa_batch2", q_len=48, batch=2, heads=4, kv_heads=2, segments="packed",
+           dropout=0.5),
+    Config("dropout05_window_cross", q_len=40, kv_len=56, window=(5, 9), dropout=0.5),
+    Config("dropout01_cross_causal_mqa_orphans", q_len=24, kv_len=40, heads=4, kv_heads=1, causal=True,
+           batch=2, segments="orphans", dropout=0.1),
+    Config("dropout05_broadcast_batch2", q_len=32, batch=2, dropout=0.5, dropout_broadcast=True),
+    Config("alibi_h6_kv2_dropout_softcap_window", q_len=40, heads=6, kv_heads=2, window=(8, 3), softcap=3.0,
+           input_scale=2.0, alibi=True, dropout=0.1),
+    Config("bias_full_dropout_causal_batch2", q_len=24, batch=2, causal=True, dropout=0.5,
+           bias=(True, True, True, True)),
+    Config("bias_shared_cross_packed_alibi", q_len=24, kv_len=40, heads=4, kv_heads=2, segments="packed",
+           alibi=True, bias=(False, False, True, True)),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -183,12 +209,23 @@ class Problem:
   seed: int | None  # None: derived from the config's name
   inputs: tuple  # q, k, v, dout as numpy arrays already rounded to `dtype` (held in float32)
   seg: dict  # numpy int32 segment ids
-  expected: dict  # float64 out, lse, dq, dk, dv, visible_rows
+  expected: dict  # float64 out, lse, dq, dk, dv (dbias), visible_rows
+  bias: np.ndarray | None = None  # float32, rank 4
 
   @property
   def kwargs(self) -> dict:
     cfg = self.cfg
-    return {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale}
+    kwargs = {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale}
+    if cfg.dropout:
+      kwargs.update(dropout_rate=cfg.dropout, dropout_rng=dropout_key(cfg, self.seed),
+                    dropout_broadcast=cfg.dropout_broadcast)
+    if cfg.alibi:
+      kwargs["alibi_slopes"] = fl.alibi_slopes(cfg.heads)
+    return kwargs
+
+
+def dropout_key(cfg: Config, seed: int | None):
+  return jax.random.key(zlib.crc32(cfg.name.encode()) if seed is None else seed)
 
 
 @functools.cache
@@ -204,9 +241,19 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
   seg = _segment_kwargs(cfg, rng)
   visible = reference64.mask(b, t, s, causal=cfg.causal, window=cfg.window, **seg)[:, None]
   q, k, v, dout = arrays
-  expected = reference64.attention(q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap,
-                                         dout=dout)
-  return Problem(cfg, dtype, seed, arrays, seg, expected)
+  bias = None
+  if cfg.bias is not None:
+    shape = tuple(n if has else 1 for n, has in zip((b, h, t, s), cfg.bias, strict=True))
+    bias = rng.standard_normal(shape).astype(np.float32)
+  keep = None
+  if cfg.dropout:
+    keep = np.asarray(fl.dropout_mask(dropout_key(cfg, seed), batch=b, num_heads=h, q_len=t, kv_len=s,
+                                      rate=cfg.dropout, broadcast=cfg.dropout_broadcast))
+  expected = reference64.attention(
+      q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap, bias=bias,
+      alibi_slopes=np.asarray(fl.alibi_slopes(h)) if cfg.alibi else None, keep=keep, rate=cfg.dropout,
+      dout=dout)
+  return Problem(cfg, dtype, seed, arrays, seg, expected, bias)
 
 
 def _interpret(platform):
@@ -218,15 +265,22 @@ def run_case(case, problem: Problem) -> dict:
   impl, platform = case
   kwargs = problem.kwargs
 
-  def fwd_bwd(q, k, v, dout, seg):
-    out, vjp = jax.vjp(lambda q, k, v: fl.attention(q, k, v, impl=impl, **seg, **kwargs), q, k, v)
-    dq, dk, dv = vjp(dout)
-    return {"out": out, "dq": dq, "dk": dk, "dv": dv}
+  def fwd_bwd(q, k, v, dout, seg, bias):
+    def f(q, k, v, bias):
+      return fl.attention(q, k, v, impl=impl, **seg, **kwargs, bias=bias)
+
+    out, vjp = jax.vjp(f, q, k, v, bias)
+    dq, dk, dv, dbias = vjp(dout)
+    result = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    if bias is not None:
+      result["dbias"] = dbias
+    return result
 
   arrays = [jnp.asarray(a, problem.dtype) for a in problem.inputs]
   seg = {name: jnp.asarray(ids) for name, ids in problem.seg.items()}
+  bias = None if problem.bias is None else jnp.asarray(problem.bias)
   with _interpret(platform):
-    result = jax.jit(fwd_bwd)(*arrays, seg)
+    result = jax.jit(fwd_bwd)(*arrays, seg, bias)
   return {name: np.asarray(x.astype(jnp.float32), np.float64) for name, x in result.items()}
 
 
@@ -237,13 +291,18 @@ def relative_errors(actual: dict, expected: dict) -> dict[str, tuple[float, tupl
   output that cancels to ~0 is not judged relative to ~0.
   """
   errors = {}
-  for name in ("out", *GRADS):
-    diff = np.abs(actual[name] - expected[name])
+  for name in ("out", *GRADS, *(("dbias",) if "dbias" in actual else ())):
+    expect, magnitude = expected[name], expected["magnitude"][name]
+    if name == "dbias":  # the oracle's [b, h, t, s], summed over the bias's broadcast axes
+      axes = tuple(i for i in range(4) if actual[name].shape[i] == 1 and expect.shape[i] != 1)
+      magnitude *= np.prod([expect.shape[i] for i in axes])
+      expect = expect.sum(axis=axes, keepdims=True)
+    diff = np.abs(actual[name] - expect)
     if not np.all(np.isfinite(actual[name])):
       errors[name] = (np.inf, tuple(int(i) for i in np.argwhere(~np.isfinite(actual[name]))[0]))
       continue
     worst = np.unravel_index(np.argmax(diff), diff.shape)
-    errors[name] = (float(diff[worst] / max(expected["magnitude"][name], 1e-30)),
+    errors[name] = (float(diff[worst] / max(magnitude, 1e-30)),
                     tuple(int(i) for i in worst))
   return errors
 

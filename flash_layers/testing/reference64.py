@@ -4,10 +4,14 @@ It imports nothing from flash_layers, so a mistake shared by the impls (in the
 mask, the softcap, GQA head mapping or the gradient) cannot hide here too. The
 backward pass is derived by hand, not by autodiff:
 
-  s = scale * q.k (then c * tanh(s / c) with a softcap), p = softmax over visible keys,
-  out = p v,  lse = log sum_j exp(s_j)
-  dv = p^T dout,  dp = dout v^T,  ds = p * (dp - rowsum(dout * out) + dlse)
-  (softcap: ds *= 1 - tanh^2),  dq = scale * ds k,  dk = scale * ds^T q
+  x = scale * q.k + alibi + bias,  alibi[h, i, j] = -slope[h] * |i - j|
+  s = x (then c * tanh(x / c) with a softcap), p = softmax over visible keys,
+  lse = log sum_j exp(s_j)  (before dropout)
+  m = keep / (1 - rate) (dropout, with a given keep mask; 1 without),  out = (m p) v
+  dv = (m p)^T dout,  dp = m * (dout v^T),  ds = p * (dp - rowsum(dout * out) + dlse)
+  (softcap: ds *= 1 - tanh^2),  dbias = ds,  dq = scale * ds k,  dk = scale * ds^T q
+
+(sum_j p_j m_j dout.v_j = dout.out, so the row term is the same with dropout.)
 
 Beside each result it returns a *magnitude*: the same sums taken over absolute
 values (e.g. ``p |v|`` for out). Rounding errors scale with it, not with the
@@ -38,11 +42,15 @@ def mask(batch, q_len, kv_len, *, causal=False, window=None, segment_ids=None,
   return ok
 
 
-def attention(q, k, v, visible, *, scale=None, softcap=None, dout=None, dlse=None):
+def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_slopes=None,
+              keep=None, rate=0.0, q_offset=0, kv_offset=0, dout=None, dlse=None):
   """q [b, t, h, d], k [b, s, kvh, d], v [b, s, kvh, dv]; visible broadcastable to [b, h, t, s].
 
+  bias: broadcastable to [b, h, t, s]; alibi_slopes: [h] (positions q_offset + i, kv_offset + j);
+  keep: the dropout keep mask (bool, broadcastable to [b, h, t, s]) applied with `rate`.
   Returns a dict with out [b, t, h, dv], lse [b, h, t] and, when dout is given,
-  dq, dk, dv (all float64). Rows that see no key: out 0, lse -inf, gradients 0.
+  dq, dk, dv (and dbias [b, h, t, s] with a bias) (all float64). Rows that see no key:
+  out 0, lse -inf, gradients 0.
   """
   q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
   b, t, h, d = q.shape
@@ -53,6 +61,12 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, dout=None, dlse=Non
   k_rep = np.repeat(k, group, axis=2)
   v_rep = np.repeat(v, group, axis=2)
   x = scale * np.einsum("bthd,bshd->bhts", q, k_rep)
+  if alibi_slopes is not None:
+    i = q_offset + np.arange(t)[:, None]
+    j = kv_offset + np.arange(k.shape[1])[None, :]
+    x = x - np.asarray(alibi_slopes, np.float64)[None, :, None, None] * np.abs(i - j)
+  if bias is not None:
+    x = x + np.asarray(bias, np.float64)
   tanh = None
   if softcap is not None:
     tanh = np.tanh(x / softcap)
@@ -66,22 +80,27 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, dout=None, dlse=Non
   z = e.sum(-1, keepdims=True)
   has_key = z > 0
   p = e / np.where(has_key, z, 1.0)
-  out = np.einsum("bhts,bshv->bthv", p, v_rep)
+  m = 1.0 if keep is None else np.broadcast_to(keep, p.shape) / (1.0 - rate)
+  pm = p * m
+  out = np.einsum("bhts,bshv->bthv", pm, v_rep)
   lse = np.where(has_key, row_max + np.log(np.where(has_key, z, 1.0)), -np.inf)[..., 0]
   result = {"out": out, "lse": lse, "visible_rows": has_key[..., 0],
-            "magnitude": {"out": np.einsum("bhts,bshv->bthv", p, np.abs(v_rep)).max(initial=0.0)}}
+            "magnitude": {"out": np.einsum("bhts,bshv->bthv", pm, np.abs(v_rep)).max(initial=0.0)}}
   if dout is None:
     return result
 
   do = np.asarray(dout, dtype=np.float64)
-  dp = np.einsum("bthv,bshv->bhts", do, v_rep)
-  dv_rep = np.einsum("bhts,bthv->bshv", p, do)
+  dp = m * np.einsum("bthv,bshv->bhts", do, v_rep)
+  dv_rep = np.einsum("bhts,bthv->bshv", pm, do)
   row_dot = np.einsum("bthv,bthv->bht", do, out)[..., None]
   if dlse is not None:
     row_dot = row_dot - np.asarray(dlse, dtype=np.float64)[..., None]
   ds = p * (dp - row_dot)
   if tanh is not None:
     ds = ds * (1.0 - tanh * tanh)
+  if bias is not None:
+    result["dbias"] = ds.copy()
+    result["magnitude"]["dbias"] = (p * (np.abs(dp) + np.abs(row_dot))).max(initial=0.0)
   dx = scale * ds
   dq = np.einsum("bhts,bshd->bthd", dx, k_rep)
   dk_rep = np.einsum("bhts,bthd->bshd", dx, q)
@@ -90,7 +109,7 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, dout=None, dlse=Non
   result["magnitude"].update(
       dq=np.einsum("bhts,bshd->bthd", dx_mag, np.abs(k_rep)).max(initial=0.0),
       dk=np.einsum("bhts,bthd->bshd", dx_mag, np.abs(q)).max(initial=0.0),
-      dv=np.einsum("bhts,bthv->bshv", p, np.abs(do)).max(initial=0.0))
+      dv=np.einsum("bhts,bthv->bshv", pm, np.abs(do)).max(initial=0.0))
   result["dq"] = dq
   result["dk"] = dk_rep.reshape(b, s, kvh, group, d).sum(3)
   result["dv"] = dv_rep.reshape(b, s, kvh, group, v.shape[3]).sum(3)
