@@ -3,7 +3,8 @@
 Override any config field on the command line: `--config.train.num_steps=500`.
 Run it again with the same --workdir to resume from the latest checkpoint.
 `--aot_topology v5p:4x4x4` compiles the train step for that TPU slice and reports
-memory and FLOPs without running anything.
+memory and FLOPs without running anything (`--aot_num_slices 2`: for two such slices,
+with the bytes each step moves over DCN and ICI).
 """
 
 from absl import app, flags
@@ -15,6 +16,7 @@ FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
 flags.DEFINE_string("workdir", None, "Checkpoints, metrics.jsonl, TensorBoard events and profiles go here.")
 flags.DEFINE_string("aot_topology", None, "Dry run: compile for this TPU slice (v5p:4x4x4); no training.")
+flags.DEFINE_integer("aot_num_slices", 1, "Dry run: this many such slices joined by DCN (a multi-slice job).")
 distributed.define_flags()
 flags.mark_flags_as_required(["config"])
 
@@ -24,7 +26,7 @@ def main(argv):
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if FLAGS.aot_topology:
     from flash_layers.training import aot
-    aot.dry_run(FLAGS.config, FLAGS.aot_topology)
+    aot.dry_run(FLAGS.config, FLAGS.aot_topology, FLAGS.aot_num_slices)
     return
   if not FLAGS.workdir:
     raise app.UsageError("--workdir is required (unless --aot_topology)")

@@ -35,9 +35,10 @@ def get_config():
   c.train.schedule = "cosine"
   c.checkpoint.every_steps = 1000
   c.checkpoint.max_to_keep = 3
-  # 64 chips of v5p:4x4x4 (the dry run maps these onto whatever topology it is given).
+  # 64 chips of v5p:4x4x4 per slice (the dry run maps these onto whatever topology it is given).
   c.mesh.data = 1
   c.mesh.fsdp = -1  # params, grads and Adam state sharded over all the rest (ZeRO-3)
   c.mesh.tensor = 1
   c.mesh.sequence = 4  # ring attention over 4 chips: 2,048 tokens per chip
+  c.mesh.dcn_data = -1  # several slices (--aot_num_slices): data-parallel across them, over DCN
   return c

@@ -186,9 +186,10 @@ def test_make_mesh_axes_and_rest():
 
 @pytest.mark.parametrize("kwargs,words", [
     ({"tensor": 2}, ["tensor=2", "needs 2 devices", f"there are {len(jax.devices())}"]),
-    ({"data": -1, "sequence": -1}, ["at most one axis", "-1"]),
-    ({"fsdp": 0}, ["fsdp", "positive int or -1"]),
-    ({"sequence": 3, "data": -1, "devices": jax.devices() * 1}, ["data=-1", "multiple of"]),
+    ({"data": -1, "sequence": -1}, ["make_mesh sequence", "at most one size", "-1"]),
+    ({"fsdp": 0}, ["make_mesh fsdp", "positive integer or -1"]),
+    ({"sequence": 3, "data": -1, "devices": jax.devices() * 1}, ["make_mesh data", "-1 takes the rest",
+                                                                 "does not divide"]),
 ])
 def test_make_mesh_errors_name_the_field_and_count(kwargs, words):
   with pytest.raises(ValueError) as info:

@@ -200,8 +200,9 @@ def _tiny(dataset) -> ml_collections.ConfigDict:
   ("train.learning_rate", -1e-3, "config.train.learning_rate: must be a number > 0"),
   ("train.num_steps", 0, "config.train.num_steps"),
   ("data.dataset", "/no/such/data.jsonl", "config.data.dataset: '/no/such/data.jsonl' does not exist"),
-  ("mesh.data", 3, "config.mesh: data*fsdp*tensor*sequence = 3 must equal the 4 devices"),
-  ("mesh.tensor", 3, "config.mesh.data: the other axes' product 3 does not divide the 4 devices"),
+  ("mesh.data", 3, "config.mesh.data*fsdp*tensor*sequence: data=3 needs 3 devices but there are 4"),
+  ("mesh.tensor", 3, "config.mesh.data: -1 takes the rest, but the other sizes' product 3 does not divide "
+   "the 4 devices"),
   ("train.grad_accum_steps", 3, "config.train.grad_accum_steps: must divide train.batch_size=8"),
   ("model.max_len", 512 * 16 + 1, "config.model.max_len: 8193 is above what the checkpoint's 512-row"),
   ("checkpoint.best_metric", "auc", "config.checkpoint.best_metric"),
@@ -417,19 +418,29 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(dataset, tmp_path):
 
 @pytest.mark.aot
 @pytest.mark.slow
-def test_pod_dry_run_compiles_for_v5p_2x2x2(tmp_path):
+def test_pod_dry_run_compiles_for_two_v5p_2x2x2_slices(tmp_path):
   pytest.importorskip("libtpu")
   result = subprocess.run(
     [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tpu_pod.py"),
-     "--aot_topology=v5p:2x2x2", "--config.model.num_layers=1", "--config.model.max_len=1024",
-     "--config.train.batch_size=8"],
+     "--aot_topology=v5p:2x2x2", "--aot_num_slices=2", "--config.model.num_layers=1",
+     "--config.model.max_len=1024", "--config.train.batch_size=8"],
     env=_env(1), cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
   assert result.returncode == 0, result.stderr[-4000:]
   report = json.loads(result.stdout[result.stdout.index("{"):])
-  assert report["chips"] == 8 and report["mesh"] == {"data": 1, "fsdp": 2, "tensor": 1, "sequence": 4}
+  # Per slice fsdp 2 x sequence 4 (tpu_pod's fsdp=-1 on 8 chips); the slices are data parallel.
+  assert report["chips"] == 16 and report["slices"] == 2
+  assert report["dcn_mesh"] == {"dcn_data": 2, "dcn_fsdp": 1}
+  assert report["mesh"] == {"data": 2, "fsdp": 2, "tensor": 1, "sequence": 4}
   assert report["fits"] is True and report["hbm_per_chip_bytes"] == 95 * 2**30
   assert report["per_chip_bytes"]["peak_estimate"] > report["per_chip_bytes"]["arguments"] > 0
   assert report["flops_per_step_per_chip"] > 0
+  traffic = report["collective_bytes_per_step_per_chip"]
+  # fsdp and the ring stay on ICI; DCN carries the data-parallel gradient reduction (and a few
+  # point-to-point bytes of the batch-sharded classifier head, which move along data too).
+  dcn = {k: v for k, v in traffic["by_axes"].items() if k.startswith("dcn:")}
+  assert all(k.startswith("dcn:data") for k in dcn), dcn
+  assert dcn["dcn:data"] > 0.99 * traffic["dcn_bytes_per_step_per_chip"]
+  assert traffic["by_axes"]["ici:fsdp"] > 0 and traffic["by_axes"]["ici:sequence"] > 0
 
 
 # ----------------------------------------------------------------------------
@@ -473,7 +484,7 @@ def test_gradient_accumulation_matches_one_big_batch():
 
 
 @pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 8),
-                                          ("tpu_pod", 64), ("tiny", 1)])
+                                          ("tpu_pod", 64), ("tpu_multislice", 128), ("tiny", 1)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:

@@ -8,12 +8,16 @@ the nearest neighbours):
 * ``fsdp``     -- batch rows too; parameters sharded over it along "embed" (ZeRO-3 style).
 * ``tensor``   -- attention heads and MLP columns (Megatron style).
 * ``sequence`` -- the token axis; attention over it runs as a ring.
+
+On several TPU slices (joined by the data-center network, DCN) the mesh is hybrid:
+data and fsdp may also run across slices (dcn_data x dcn_fsdp = the slices), tensor
+and sequence stay inside one.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
@@ -44,43 +48,148 @@ def _auto_axis_types(n: int):
   return None if axis_type is None else (axis_type.Auto,) * n
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
-              devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A `Mesh` with axes ("data", "fsdp", "tensor", "sequence") over all devices of the job.
+def resolve_sizes(sizes: Mapping[str, int], total: int, *, field: str = "{}",
+                  unit: str = "devices") -> dict[str, int]:
+  """Sizes that multiply to `total`, one of them possibly -1 ("the rest").
 
-  One size may be -1: it takes the devices the others leave. `devices` defaults
-  to `jax.devices()` -- every device of every process in a multi-host job.
+  The one place "-1 means the rest" is resolved, for `make_mesh` and `config.mesh`.
+  `field` formats a size's name into the name the caller knows it by
+  ("config.mesh.{}", "make_mesh {}"), so every error names what to change.
   """
-  devices = list(jax.devices() if devices is None else devices)
-  sizes = {"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence}
+  sizes = dict(sizes)
   for name, size in sizes.items():
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
-      raise ValueError(f"make_mesh {name} must be a positive int or -1 (the rest); got {size!r}")
+      raise ValueError(f"{field.format(name)}: must be a positive integer or -1 (the rest); got {size!r}")
   rest = [name for name, size in sizes.items() if size == -1]
   if len(rest) > 1:
-    raise ValueError(f"make_mesh: at most one axis may be -1; got -1 for {rest}")
+    raise ValueError(f"{field.format(rest[1])}: at most one size may be -1; got -1 for {rest}")
   fixed = math.prod(size for size in sizes.values() if size != -1)
   if rest:
-    if len(devices) % fixed:
-      raise ValueError(f"make_mesh: {rest[0]}=-1 needs the device count ({len(devices)}) to be a "
-                       f"multiple of the other sizes' product ({fixed}); got {sizes}")
-    sizes[rest[0]] = len(devices) // fixed
-  total = math.prod(sizes.values())
-  if total != len(devices):
+    if total % fixed:
+      raise ValueError(f"{field.format(rest[0])}: -1 takes the rest, but the other sizes' product {fixed} "
+                       f"does not divide the {total} {unit} (sizes {sizes})")
+    sizes[rest[0]] = total // fixed
+  elif fixed != total:
     named = ", ".join(f"{k}={v}" for k, v in sizes.items() if v != 1) or "all sizes 1"
-    raise ValueError(f"make_mesh: {named} needs {total} devices but there are {len(devices)}; "
-                     "sizes must multiply to the device count (use -1 for 'the rest')")
-  shape = tuple(sizes[a] for a in AXES)
+    raise ValueError(f"{field.format('*'.join(sizes))}: {named} needs {fixed} {unit} but there are {total}; "
+                     "the sizes must multiply to that count (use -1 for one size to take the rest)")
+  return {k: int(v) for k, v in sizes.items()}
+
+
+def resolve_mesh(per_slice: Mapping[str, int], dcn: Mapping[str, int], num_devices: int, num_slices: int,
+                 *, field: str = "{}") -> dict[str, int]:
+  """Per-slice axis sizes (data, fsdp, tensor, sequence) and DCN sizes (dcn_data, dcn_fsdp), -1s resolved.
+
+  The slices must split the devices evenly; the DCN sizes multiply to the slice
+  count, the per-slice sizes to the devices of a slice. Tensor and sequence are
+  refused when they cannot stay inside one slice.
+  """
+  if num_slices < 1 or num_devices % num_slices:
+    raise ValueError(f"{num_devices} devices do not split into {num_slices} equal slices")
+  per = num_devices // num_slices
+  for name in ("tensor", "sequence"):
+    size = per_slice.get(name, 1)
+    if num_slices > 1 and isinstance(size, (int, np.integer)) and size > 0 and per % size:
+      raise ValueError(
+        f"{field.format(name)}: {size} does not fit in one slice of {per} devices ({num_slices} slices); "
+        f"{name} collectives run every layer and must stay on the slice's interconnect (ICI): only data "
+        f"and fsdp may span slices ({field.format('dcn_data')}, {field.format('dcn_fsdp')})")
+  dcn = resolve_sizes(dcn, num_slices, field=field, unit="slices")
+  unit = f"devices per slice ({num_devices} in {num_slices} slices)" if num_slices > 1 else "devices"
+  return {**resolve_sizes(per_slice, per, field=field, unit=unit), **dcn}
+
+
+def slice_count(devices: Sequence[jax.Device]) -> int:
+  """How many slices (ICI islands joined by DCN) `devices` span, from their `slice_index`.
+
+  Devices without one (CPU, GPU, a single TPU slice on older runtimes) count as one slice.
+  """
+  return len({getattr(d, "slice_index", 0) for d in devices})
+
+
+def _slices(devices: list, num_slices: int | None) -> list[list]:
+  """`devices` grouped by slice, slices in `slice_index` order."""
+  found = slice_count(devices)
+  indexed = any(hasattr(d, "slice_index") for d in devices)
+  if num_slices is None or (indexed and num_slices == found):
+    groups: dict[int, list] = {}
+    for d in devices:
+      groups.setdefault(getattr(d, "slice_index", 0), []).append(d)
+    return [groups[k] for k in sorted(groups)]
+  if indexed:
+    raise ValueError(f"make_mesh num_slices={num_slices}, but the devices' slice_index says {found} slice(s)")
+  if isinstance(num_slices, bool) or not isinstance(num_slices, (int, np.integer)) or num_slices < 1 \
+      or len(devices) % num_slices:
+    raise ValueError(f"make_mesh num_slices must be a positive integer dividing the {len(devices)} devices; "
+                     f"got {num_slices!r}")
+  # Devices that carry no slice_index (CPU tests, simulated slices): consecutive equal groups.
+  per = len(devices) // num_slices
+  return [devices[i * per:(i + 1) * per] for i in range(num_slices)]
+
+
+def _slice_grid(devices: list, shape: tuple[int, ...]) -> np.ndarray:
   try:
     # Topology-aware placement on TPU/GPU slices (rings on physical neighbours).
     from jax.experimental import mesh_utils
-    grid = mesh_utils.create_device_mesh(shape, devices)
+    return mesh_utils.create_device_mesh(shape, devices)
   except (ValueError, NotImplementedError, AssertionError):
-    grid = np.asarray(devices, dtype=object).reshape(shape)
+    return np.asarray(devices, dtype=object).reshape(shape)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
+              devices: Sequence[jax.Device] | None = None, *, dcn_data: int = 1, dcn_fsdp: int = 1,
+              num_slices: int | None = None) -> Mesh:
+  """A `Mesh` with axes ("data", "fsdp", "tensor", "sequence") over all devices of the job.
+
+  On one slice the sizes are the mesh's; one of them may be -1 (the devices the
+  others leave). `devices` defaults to `jax.devices()` -- every device of every
+  process in a multi-host job.
+
+  Several slices (TPU pods joined by the data-center network, DCN): the four
+  sizes are per slice, over the slice's own interconnect (ICI), and `dcn_data` x
+  `dcn_fsdp` must be the number of slices (one may be -1: the rest). The mesh's
+  data axis is then dcn_data x data, laid out slice-major (likewise fsdp), so
+  only the data and fsdp collectives -- the gradient all-reduce, fsdp's gathers --
+  cross DCN; tensor and sequence (whose collectives run every layer) never leave
+  a slice. Slices come from the devices' `slice_index`; `num_slices` states the
+  count (checked against it), or on devices without one (CPU) splits the device
+  list into that many consecutive slices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  slices = _slices(devices, num_slices)
+  if any(len(s) != len(slices[0]) for s in slices):
+    raise ValueError(f"make_mesh: slices of unequal sizes {[len(s) for s in slices]}")
+  sizes = resolve_mesh({"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence},
+                       {"dcn_data": dcn_data, "dcn_fsdp": dcn_fsdp}, len(devices), len(slices),
+                       field="make_mesh {}")
+  shape = tuple(sizes[a] for a in AXES)
+  if len(slices) == 1:
+    grid = _slice_grid(devices, shape)
+  else:
+    dcn_shape = (sizes["dcn_data"], sizes["dcn_fsdp"], 1, 1)
+    grid = _hybrid_grid(slices, shape, dcn_shape)
   types = _auto_axis_types(len(AXES))
   if types is None:
     return Mesh(grid, AXES)
   return Mesh(grid, AXES, axis_types=types)
+
+
+def _hybrid_grid(slices: list[list], shape: tuple[int, ...], dcn_shape: tuple[int, ...]) -> np.ndarray:
+  """Each axis of size dcn x ici, slice-major: the ICI mesh of each slice tiled over the DCN grid."""
+  if all(hasattr(d, "slice_index") for s in slices for d in s):
+    from jax.experimental import mesh_utils
+    try:
+      return mesh_utils.create_hybrid_device_mesh(shape, dcn_shape, [d for s in slices for d in s])
+    except (ValueError, NotImplementedError, AssertionError):
+      pass  # a slice shape the topology-aware placement does not handle: plain order below
+  return _tile_slices(slices, shape, dcn_shape)
+
+
+def _tile_slices(slices: list[list], shape: tuple[int, ...], dcn_shape: tuple[int, ...]) -> np.ndarray:
+  tiles = np.stack([_slice_grid(s, shape) for s in slices]).reshape(dcn_shape + shape)
+  n = len(shape)
+  order = [i for pair in zip(range(n), range(n, 2 * n), strict=True) for i in pair]
+  return tiles.transpose(order).reshape(tuple(d * i for d, i in zip(dcn_shape, shape, strict=True)))
 
 
 def manual_axes(mesh) -> frozenset[str]:

@@ -10,6 +10,7 @@
     loop.py        train_and_evaluate(config, workdir): resume, preemption, dev eval, summary
     evaluate.py    evaluate_checkpoint(): eval_metrics.json, predictions
     distributed.py jax.distributed start-up, process-0 logging
-    aot.py         dry_run(): compile for a TPU slice, report HBM and FLOPs
+    aot.py         dry_run(): compile for TPU slices, report HBM, FLOPs, DCN vs ICI bytes
+    collectives.py which mesh axes and network each collective of a compiled program uses
     plot.py        training curves from metrics.jsonl
 """

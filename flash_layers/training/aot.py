@@ -1,10 +1,11 @@
-"""Pod dry run: compile the full sharded train step for a TPU slice from any host with libtpu.
+"""Pod dry run: compile the full sharded train step for TPU slices from any host with libtpu.
 
-    python train.py --config configs/tpu_pod.py --aot_topology v5p:4x4x4
+    python train.py --config configs/tpu_pod.py --aot_topology v5p:4x4x4 [--aot_num_slices 2]
 
 Nothing runs and no data is read: the state and the batch are abstract (shapes,
 dtypes, shardings on the slice's devices from `jax.experimental.topologies`),
-and XLA's compiled-memory and cost analyses give per-chip HBM and FLOPs.
+and XLA's compiled-memory and cost analyses give per-chip HBM and FLOPs. Over several
+slices, the compiled program's collectives give the bytes per step over DCN vs ICI.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import ml_collections
 
 from flash_layers import models
 from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
+from flash_layers.training import collectives as collectives_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
@@ -32,10 +34,14 @@ log = logging.getLogger("flash_layers.training")
 GiB = 2**30
 
 
-def topology_devices(topology: str):
+def topology_devices(topology: str, num_slices: int = 1):
+  """The devices of `num_slices` slices of `topology`, each with its `slice_index`."""
   from jax.experimental import topologies
+  if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
+    raise ValueError(f"--aot_num_slices must be a positive integer; got {num_slices!r}")
   try:
-    return topologies.get_topology_desc(topology, "tpu").devices
+    kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
+    return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
   except Exception as e:  # libtpu missing or an unknown name
     raise ValueError(f"--aot_topology {topology!r}: cannot describe this TPU slice (needs libtpu; names "
                      f"like v5p:2x2x2, v5e:4x4, v4:2x2x2): {type(e).__name__}: {e}") from None
@@ -55,12 +61,11 @@ def _abstract_batch(config, mesh, num_labels_slots: int = 1) -> dict:
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in example.items()}
 
 
-def dry_run(config: ml_collections.ConfigDict, topology: str) -> dict:
-  """Compile the train step for `topology`; log and return the per-chip report."""
-  setup_logging()
-  devices = topology_devices(topology)
-  config_lib.validate(config, num_devices=len(devices), check_data=False)
-  mesh = make_mesh(**config_lib.mesh_shape(config, len(devices)), devices=devices)
+def compile_train_step(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1):
+  """The train step compiled for `num_slices` slices of `topology`: (compiled, mesh, abstract state)."""
+  devices = topology_devices(topology, num_slices)
+  config_lib.validate(config, num_devices=len(devices), num_slices=num_slices, check_data=False)
+  mesh = make_mesh(**config_lib.mesh_shape(config, len(devices), num_slices), devices=devices)
   num_labels = config.model.num_labels or 2
   model, _ = build_model(config, num_labels, config.model.vocab_size or 30522)
   init = lambda: models.init_params(model, jax.random.key(config.seed), boxed=True)
@@ -75,9 +80,26 @@ def dry_run(config: ml_collections.ConfigDict, topology: str) -> dict:
   batch_shardings = {k: v.sharding for k, v in batch.items()}
   jitted = jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),
                    donate_argnums=0)
-  log.info("compiling the train step for %s (%d chips, mesh %s)...", topology, len(devices), dict(mesh.shape))
+  log.info("compiling the train step for %s x %d slice(s) (%d chips, mesh %s)...", topology, num_slices,
+           len(devices), dict(mesh.shape))
   with sharding_lib.sharding_context(mesh):
     compiled = jitted.lower(abstract, batch).compile()
+  return compiled, mesh, abstract
+
+
+def dry_run(config: ml_collections.ConfigDict, topology: str, num_slices: int = 1) -> dict:
+  """Compile the train step for `num_slices` slices of `topology`; log and return the per-chip report."""
+  setup_logging()
+  compiled, mesh, abstract = compile_train_step(config, topology, num_slices)
+  report = compiled_report(config, topology, num_slices, compiled, mesh, abstract)
+  print(json.dumps(report, indent=1))
+  return report
+
+
+def compiled_report(config: ml_collections.ConfigDict, topology: str, num_slices: int, compiled, mesh,
+                    abstract) -> dict:
+  """Per-chip memory, FLOPs and collective bytes of a compiled train step (logged on the way)."""
+  devices = mesh.devices.flatten()
 
   memory = compiled.memory_analysis()
   arguments = int(memory.argument_size_in_bytes)
@@ -89,8 +111,11 @@ def dry_run(config: ml_collections.ConfigDict, topology: str) -> dict:
   capacity = hbm_per_chip(topology)
   flops = metrics_lib.compiled_flops(compiled)
   params = sum(x.size for x in jax.tree.leaves(abstract.params))
+  traffic = collectives_lib.summary(collectives_lib.collectives(compiled.as_text(), mesh))
   report = {
-    "topology": topology, "chips": len(devices), "mesh": dict(mesh.shape),
+    "topology": topology, "slices": num_slices, "chips": len(devices), "mesh": dict(mesh.shape),
+    "dcn_mesh": {k: v for k, v in config_lib.mesh_shape(config, len(devices), num_slices).items()
+                 if k.startswith("dcn_")},
     "params": int(params), "global_batch": config.train.batch_size, "max_len": config.model.max_len,
     "tokens_per_step": config.train.batch_size * config.model.max_len,
     "per_chip_bytes": {"arguments": arguments, "outputs": outputs, "aliased": aliased, "temp": temp,
@@ -99,11 +124,15 @@ def dry_run(config: ml_collections.ConfigDict, topology: str) -> dict:
     "fits": None if capacity is None else bool(peak <= capacity),
     "flops_per_step_per_chip": flops,
     "flops_per_step": None if flops is None else flops * len(devices),
+    # Payload bytes each chip hands to collectives per step, by network (collectives.py).
+    "collective_bytes_per_step_per_chip": traffic,
   }
   fits = "unknown (no HBM size for this chip)" if capacity is None else (
     f"{'FITS' if report['fits'] else 'DOES NOT FIT'} in {capacity / GiB:.0f} GiB")
   log.info("dry run %s: %s params, per chip: state+batch %.2f GiB, temporaries %.2f GiB, peak ~%.2f GiB "
            "-> %s; %.3g FLOPs per step per chip (%.3g in all)", topology, f"{params:,}", arguments / GiB,
            temp / GiB, peak / GiB, fits, flops or float("nan"), (flops or float("nan")) * len(devices))
-  print(json.dumps(report, indent=1))
+  log.info("collectives per step per chip: %.3g MB over ICI, %.3g MB over DCN (%s)",
+           traffic["ici_bytes_per_step_per_chip"] / 1e6, traffic["dcn_bytes_per_step_per_chip"] / 1e6,
+           ", ".join(f"{k} {v / 1e6:.3g} MB" for k, v in traffic["by_axes"].items()) or "none")
   return report

@@ -15,6 +15,7 @@ from ml_collections.config_dict import placeholder
 from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.impls import IMPLS
+from flash_layers.parallel.mesh import AXES, resolve_mesh, slice_count
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -132,12 +133,19 @@ def default_config() -> ml_collections.ConfigDict:
   # Dev metric that selects the best checkpoint, kept apart in workdir/best.
   k.best_metric = "accuracy"  # "accuracy", "macro_f1" or "loss" (lower is better)
 
-  # Device mesh axis sizes; -1 = all remaining devices.
+  # Device mesh axis sizes within one slice (all devices when there is one);
+  # -1 = all remaining devices of the slice.
   c.mesh = ms = ml_collections.ConfigDict()
   ms.data = -1
   ms.fsdp = 1
   ms.tensor = 1
   ms.sequence = 1
+  # Several TPU slices joined by the data-center network (DCN): how the slices
+  # split between data and fsdp (the mesh's data axis is dcn_data x data, fsdp
+  # likewise); dcn_data x dcn_fsdp = number of slices, -1 = the rest of them.
+  # Tensor and sequence never span slices.
+  ms.dcn_data = 1
+  ms.dcn_fsdp = 1
 
   # Trace this many steps with jax.profiler into workdir/profile (0 = off),
   # starting at step profile_start (after compilation).
@@ -173,10 +181,11 @@ def _choice(value, field: str, allowed):
 
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
-             check_data: bool = True) -> None:
+             num_slices: int | None = None, check_data: bool = True) -> None:
   """Raise ValueError naming the first bad field. Runs before any compilation.
 
   num_devices: devices the mesh must tile (default: jax.device_count()).
+  num_slices: how many slices they form (default: from jax.devices()' slice_index).
   check_data: False for the TPU dry run, which never reads data.
   """
   m, t, d, k = config.model, config.train, config.data, config.checkpoint
@@ -232,7 +241,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _fail("data.tokenizer", f"{d.tokenizer!r} does not exist (use 'minilm', 'listops', a tokenizer.json "
           "or a directory holding one)")
 
-  _validate_mesh(config, num_devices)
+  _validate_mesh(config, num_devices, num_slices)
 
 
 def attention_dropout(config: ml_collections.ConfigDict) -> float:
@@ -263,36 +272,26 @@ def _check_position_table(m):
           f"extended to ({table} x model.max_position_extension={m.max_position_extension} = {limit})")
 
 
-def mesh_shape(config: ml_collections.ConfigDict, num_devices: int) -> dict[str, int]:
-  """Resolve -1 in config.mesh; ValueError naming the field if sizes don't tile the devices."""
-  sizes = {axis: config.mesh[axis] for axis in ("data", "fsdp", "tensor", "sequence")}
-  free = [axis for axis, size in sizes.items() if size == -1]
-  for axis, size in sizes.items():
-    if size != -1 and (not isinstance(size, int) or size < 1):
-      _fail(f"mesh.{axis}", f"must be a positive integer or -1; got {size!r}")
-  if len(free) > 1:
-    _fail(f"mesh.{free[1]}", f"only one mesh axis may be -1; got -1 for {free}")
-  fixed = 1
-  for size in sizes.values():
-    fixed *= size if size != -1 else 1
-  if free:
-    if num_devices % fixed:
-      _fail(f"mesh.{free[0]}", f"the other axes' product {fixed} does not divide the "
-            f"{num_devices} devices")
-    sizes[free[0]] = num_devices // fixed
-  elif fixed != num_devices:
-    _fail("mesh", f"data*fsdp*tensor*sequence = {fixed} must equal the {num_devices} devices "
-          f"(sizes {sizes}; use -1 for one axis to take the rest)")
-  return sizes
+def mesh_shape(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1) -> dict[str, int]:
+  """config.mesh resolved for `make_mesh`: the per-slice sizes and the DCN sizes, -1s replaced.
+
+  ValueError naming the field when the sizes do not tile `num_slices` slices of
+  num_devices / num_slices devices each, or when tensor or sequence would span slices.
+  """
+  ms = config.mesh
+  return resolve_mesh({axis: ms[axis] for axis in AXES}, {"dcn_data": ms.dcn_data, "dcn_fsdp": ms.dcn_fsdp},
+                      num_devices, num_slices, field="config.mesh.{}")
 
 
-def _validate_mesh(config, num_devices):
+def _validate_mesh(config, num_devices, num_slices):
   if num_devices is None:
     import jax
-    num_devices = jax.device_count()
-  sizes = mesh_shape(config, num_devices)
+    devices = jax.devices()
+    num_devices, num_slices = len(devices), num_slices or slice_count(devices)
+  num_slices = num_slices or 1
+  sizes = mesh_shape(config, num_devices, num_slices)
   t, m = config.train, config.model
-  batch_shards = sizes["data"] * sizes["fsdp"]
+  batch_shards = sizes["data"] * sizes["fsdp"] * sizes["dcn_data"] * sizes["dcn_fsdp"]
   micro = t.batch_size // t.grad_accum_steps
   if micro % batch_shards:
     _fail("train.batch_size", f"each micro-batch (batch_size {t.batch_size} / grad_accum_steps "

@@ -10,7 +10,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
+from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh, slice_count
 from flash_layers.training import config as config_lib
 
 
@@ -45,5 +45,7 @@ def sharding_context(mesh: Mesh):
 
 
 def mesh_from_config(config: ml_collections.ConfigDict, devices=None) -> Mesh:
+  """The job's mesh; on several slices (devices' slice_index) a hybrid ICI x DCN mesh."""
   devices = jax.devices() if devices is None else devices
-  return make_mesh(**config_lib.mesh_shape(config, len(devices)), devices=devices)
+  sizes = config_lib.mesh_shape(config, len(devices), slice_count(devices))
+  return make_mesh(**sizes, devices=devices)
