@@ -2,12 +2,16 @@
 
 Writes workdir/eval_metrics.json (accuracy, macro-F1, confusion matrix); with
 `--predict docs.jsonl` also workdir/predictions.jsonl, one line per document.
+
+A mistake in the config, a flag, the workdir or a data file prints one line naming it and exits
+with status 2, before anything is compiled.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from flash_layers.training import distributed
+from flash_layers.errors import UserError
+from flash_layers.training import cli, distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "The config the model was trained with.", lock_config=True)
@@ -21,9 +25,8 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if FLAGS.checkpoint not in ("latest", "best") and not FLAGS.checkpoint.isdigit():
-    raise app.UsageError(f"--checkpoint must be 'latest', 'best' or a step number; got {FLAGS.checkpoint!r}")
+    raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
+  cli.default_to_cpu_without_accelerator()
   distributed.initialize_from_flags()
   from flash_layers.training import evaluate
   evaluate.evaluate_checkpoint(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint,
@@ -31,4 +34,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -5,12 +5,15 @@ Run it again with the same --workdir to resume from the latest checkpoint.
 `--aot_topology v5p:4x4x4` compiles the train step for that TPU slice and reports
 memory and FLOPs without running anything (`--aot_num_slices 2`: for two such slices,
 with the bytes each step moves over DCN and ICI).
+
+A mistake in the config, a flag or a data file prints one line naming it and exits with status 2.
 """
 
-from absl import app, flags
+from absl import flags
 from ml_collections import config_flags
 
-from flash_layers.training import distributed
+from flash_layers.errors import UserError
+from flash_layers.training import cli, distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
@@ -23,17 +26,18 @@ flags.mark_flags_as_required(["config"])
 
 def main(argv):
   if len(argv) > 1:
-    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
+  cli.default_to_cpu_without_accelerator(needs_libtpu=bool(FLAGS.aot_topology))
   if FLAGS.aot_topology:
     from flash_layers.training import aot
     aot.dry_run(FLAGS.config, FLAGS.aot_topology, FLAGS.aot_num_slices)
     return
   if not FLAGS.workdir:
-    raise app.UsageError("--workdir is required (unless --aot_topology)")
+    raise UserError("--workdir is required (unless --aot_topology)")
   distributed.initialize_from_flags()
   from flash_layers.training import loop
   loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

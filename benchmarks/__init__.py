@@ -8,4 +8,6 @@
   under each impl against the same model on Flax's stock attention.
 * `python -m benchmarks.profile --out DIR` — a jax.profiler trace of
   attention alone and of a training step.
+* `python -m benchmarks.memory --steps 600` — a long training run's resident
+  memory and live device arrays, which must plateau after warm-up.
 """

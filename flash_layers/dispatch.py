@@ -22,9 +22,10 @@ log = logging.getLogger("flash_layers")
 
 AUTO = "auto"
 
-# On CPU, dense XLA attention wins while its [q_len, kv_len] logits stay small;
-# from this many keys on, xla_chunked's O(len * chunk) memory wins (docs/contract.md: the auto rule).
-CPU_CHUNKED_MIN_KV_LEN = 2048
+# On CPU, xla_dense wins while its [q_len, kv_len] logits stay small; from this many keys on,
+# "auto" takes xla_chunked, whose memory is O(len * chunk) (docs/contract.md: the auto rule;
+# docs/benchmarks.md: the crossover).
+CPU_CHUNKED_MIN_KV_LEN = 1024
 
 
 # ----------------------------------------------------------------------------
@@ -215,11 +216,11 @@ def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
   if request.kv_len >= CPU_CHUNKED_MIN_KV_LEN:
     return [("xla_chunked", f"CPU: kv_len {request.kv_len} >= {CPU_CHUNKED_MIN_KV_LEN}, "
              "chunked attention keeps memory linear"),
-            ("xla_native", "CPU: dense XLA attention"),
+            ("xla_dense", "CPU: dense attention"),
             ("reference", "CPU: nothing else serves this request")]
-  return [("xla_native", f"CPU: kv_len {request.kv_len} < {CPU_CHUNKED_MIN_KV_LEN}, "
-           "dense XLA attention while the logits are small"),
-          ("xla_chunked", "CPU: xla_native cannot serve it"),
+  return [("xla_dense", f"CPU: kv_len {request.kv_len} < {CPU_CHUNKED_MIN_KV_LEN}, dense attention "
+           "laid out for XLA:CPU while the [q_len, kv_len] logits are small"),
+          ("xla_chunked", "CPU: xla_dense cannot serve it"),
           ("reference", "CPU: nothing else serves this request")]
 
 

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import api, dispatch, dropout
+from flash_layers import api, dispatch, dropout, rotary
 from flash_layers.impls import UnsupportedError
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
@@ -201,6 +201,8 @@ class MultiHeadAttention(nn.Module):
     impl: one of `fl.IMPLS` or "auto" (see `fl.explain`); an explicit impl that
       cannot serve a call raises `fl.UnsupportedError`.
     causal, window, softcap, scale, block_sizes: as in `fl.attention`.
+    rope_theta: rotary position embeddings (`flash_layers.rotary`) with this base, applied to
+      the projected queries and keys before attention; None (default) for none.
     mesh: as in `fl.attention`: a mesh (`fl.parallel.make_mesh`) to shard the
       attention over; None shards over the current mesh (`jax.set_mesh`), if any.
     dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
@@ -225,6 +227,7 @@ class MultiHeadAttention(nn.Module):
   softcap: float | None = None
   scale: float | None = None
   block_sizes: Any = None
+  rope_theta: float | None = None
   mesh: Any = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
@@ -237,7 +240,16 @@ class MultiHeadAttention(nn.Module):
 
   def __post_init__(self):
     check_fields(self)
+    rotary.check_theta(self.rope_theta)
     super().__post_init__()
+
+  def _rotate(self, x: jax.Array, positions: jax.Array | None, name: str) -> jax.Array:
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    elif tuple(positions.shape) != tuple(x.shape[:2]):
+      raise ValueError(f"{name} must have shape [batch, len] = {tuple(x.shape[:2])}; got "
+                       f"{tuple(positions.shape)}")
+    return rotary.apply_rotary(x, positions, self.rope_theta)
 
   def _dense(self, name: str, features, axis, kernel_axes, bias_axes) -> _Projection:
     return _Projection(
@@ -250,14 +262,22 @@ class MultiHeadAttention(nn.Module):
   @nn.compact
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
+    positions [batch, q_len] / kv_positions [batch, kv_len]: int positions for the rotary
+    embeddings (with rope_theta; e.g. restarting per packed document). None: 0, 1, ... for the
+    queries; kv_positions default to positions in self-attention.
     Returns [batch, q_len, out_features].
     """
+    if (positions is not None or kv_positions is not None) and self.rope_theta is None:
+      raise ValueError("positions / kv_positions are used by the rotary embeddings only; set rope_theta")
     if inputs_kv is None:
       inputs_kv = inputs_q
+      if kv_positions is None:
+        kv_positions = positions
     dims = head_dims(self, inputs_q, inputs_kv)
     query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
                         QUERY_KERNEL_AXES, QUERY_KERNEL_AXES[1:])(inputs_q)
@@ -265,6 +285,9 @@ class MultiHeadAttention(nn.Module):
                       KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
     value = self._dense("value", (dims.num_kv_heads, dims.head_dim_v), -1,
                         KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
+    if self.rope_theta is not None:
+      query = self._rotate(query, positions, "positions")
+      key = self._rotate(key, kv_positions, "kv_positions")
     dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
     out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
@@ -313,7 +336,7 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
 
   What the modules pass is honoured:
   * `mask` (dense boolean, [batch..., heads|1, q_len, kv_len], True = attend) and
-    nnx's `is_causal`. A dense mask needs reference, xla_native or xla_chunked;
+    nnx's `is_causal`. A dense mask needs reference, xla_native, xla_chunked or xla_dense;
     flash_pallas raises UnsupportedError("dense mask"). Unlike flax's softmax, a
     row whose mask hides every key gets zeros.
   * `dropout_rate`, `dropout_rng`, `broadcast_dropout`, `deterministic`: attention

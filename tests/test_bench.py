@@ -77,7 +77,7 @@ def test_quick_grid_writes_every_cell_json_and_plots(tmp_path, capsys):
       assert r["gflops_per_s"] == pytest.approx(r["flops"] / r["time_s"] / 1e9)
   # The dense impls serve every mask kind here; they must have run.
   for r in rows:
-    if r["impl"] in ("reference", "xla_native"):
+    if r["impl"] in ("reference", "xla_native", "xla_dense"):
       assert r["status"] == "ok", r
   pngs = sorted(os.listdir(plot_dir))
   assert pngs == sorted(f"{m}-float32-{p}.png" for m in ("time", "cpu-time", "memory")
@@ -126,3 +126,22 @@ def test_targets_reads_memory_ratio_and_growth():
   line = next(x for x in report.targets(rows).splitlines() if x.startswith("| xla_chunked"))
   cells = [c.strip() for c in line.strip("|").split("|")]
   assert cells[4:] == ["4096", "40.0", "4000", "100", "2.00"]  # 4x over two doublings: linear
+
+
+def test_cpu_dense_runs_every_variant_side_by_side(tmp_path, capsys):
+  """`python -m benchmarks.cpu_dense` on a tiny shape: one row per (variant, mask), ratios to flax."""
+  from benchmarks import cpu_dense
+
+  out = tmp_path / "dense.json"
+  assert cpu_dense.main(["--shapes", "1x16x2x8", "--masks", "none,segments", "--rounds", "1",
+                         "--json", str(out)]) == 0
+  result = json.loads(out.read_text())
+  rows = result["rows"]
+  assert {(r["variant"], r["mask"]) for r in rows} == {
+      (v, m) for v in cpu_dense.DEFAULT_VARIANTS for m in ("none", "segments")}
+  assert all(r["cpu_ms"] >= 0 and r["auto_picks"] == "xla_dense" for r in rows)
+  assert all(r["flax_cpu_over_ours"] == 1.0 for r in rows if r["variant"] == "flax")
+  assert result["meta"]["cpus"] == os.cpu_count()
+  assert "| [1, 16, 2, 8] | segments | xla_dense |" in capsys.readouterr().out
+  with pytest.raises(SystemExit):
+    cpu_dense.main(["--shapes", "16x2x8"])

@@ -41,6 +41,7 @@ CASES = [
     ("reference", None),
     ("xla_native", None),
     ("xla_chunked", None),
+    ("xla_dense", None),
     ("flash_pallas", "tpu"),
     ("flash_pallas", "gpu"),
 ]
@@ -370,6 +371,12 @@ def test_configs_cover_the_contract():
   assert any(c.causal and c.window is not None for c in CONFIGS)
   assert {"packed", "orphans"} <= {c.segments for c in CONFIGS}
   assert any(c.softcap for c in CONFIGS) and any(c.scale for c in CONFIGS)
+  dropout = [c for c in CONFIGS if c.dropout]
+  assert {c.dropout for c in dropout} == {0.1, 0.5}
+  assert all(any(pred(c) for c in dropout) for pred in (
+      lambda c: c.causal, lambda c: c.segments, lambda c: c.window is not None,
+      lambda c: c.kvh < c.heads, lambda c: c.q_len != c.s, lambda c: c.dropout_broadcast))
+  assert any(c.alibi for c in CONFIGS) and any(c.bias for c in CONFIGS)
   # Rows with no visible key occur (the zero-output check runs on them).
   assert any(not make_problem(c, "float32").expected["visible_rows"].all() for c in CONFIGS)
 

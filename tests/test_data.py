@@ -122,6 +122,23 @@ def test_other_reader_errors(tmp_path):
     data.load(tmp_path / "splits", split="dev")
 
 
+def test_documents_to_predict_and_their_errors(tmp_path):
+  path = write(tmp_path / "p.jsonl", '{"id": 7, "text": "one"}\n\n{"text": "two"}\n')
+  assert data.read_documents(path) == [{"id": 7, "text": "one"}, {"text": "two"}]
+  write(tmp_path / "q.jsonl", '{"body": "x"}\n')
+  assert data.read_documents(tmp_path / "q.jsonl", text_column="body") == [{"body": "x"}]
+  with pytest.raises(data.DataError, match=r"q\.jsonl:1: .*string field 'text'"):
+    data.read_documents(tmp_path / "q.jsonl")
+  with pytest.raises(data.DataError, match=r"r\.jsonl:2: not valid JSON"):
+    data.read_documents(write(tmp_path / "r.jsonl", '{"text": "a"}\n{"text": \n'))
+  with pytest.raises(data.DataError, match=r"s\.jsonl: empty file"):
+    data.read_documents(write(tmp_path / "s.jsonl", "\n"))
+  with pytest.raises(data.DataError, match=r"absent\.jsonl: cannot read"):
+    data.read_documents(tmp_path / "absent.jsonl")
+  with pytest.raises(data.DataError, match=r"tokenizer\.json: not a Hugging Face tokenizers file"):
+    data.load_tokenizer(write(tmp_path / "tokenizer.json", "{}"))
+
+
 # ----------------------------------------------------------------------------
 # BBC News
 # ----------------------------------------------------------------------------

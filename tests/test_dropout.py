@@ -131,14 +131,21 @@ def test_lse_is_the_normaliser_before_dropout():
 def test_auto_picks_an_impl_with_dropout_and_xla_native_refuses():
   q, k, v, _ = _inputs()
   key = jax.random.key(0)
-  assert fl.explain(q, k, v).impl == "xla_native"  # CPU, short: dense XLA attention without dropout
-  assert fl.explain(q, k, v, dropout_rate=0.1, dropout_rng=key).impl == "xla_chunked"
+  # CPU, short: xla_dense serves dropout itself.
+  assert fl.explain(q, k, v).impl == "xla_dense"
+  assert fl.explain(q, k, v, dropout_rate=0.1, dropout_rng=key).impl == "xla_dense"
+  # GPU: cuDNN (xla_native) comes first when eligible, and is passed over for dropout.
+  half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  plain, _ = dispatch.prepare(*half)
+  dropped, _ = dispatch.prepare(*half, dropout_rate=0.1, dropout_rng=key)
+  assert dispatch.resolve("auto", plain, "cuda")[0] == "xla_native"
+  assert dispatch.resolve("auto", dropped, "cuda")[0] == "flash_pallas"
   with pytest.raises(fl.UnsupportedError, match="dropout"):
     fl.attention(q, k, v, impl="xla_native", dropout_rate=0.1, dropout_rng=key)
   with pytest.raises(fl.UnsupportedError, match="dense bias"):
     fl.attention(q, k, v, impl="flash_pallas", bias=jnp.zeros((72, 72)))
   # Rate 0 is no dropout: every impl serves it, with or without a key.
-  assert fl.explain(q, k, v, dropout_rate=0.0, dropout_rng=key).impl == "xla_native"
+  assert fl.explain(q, k, v, dropout_rate=0.0, dropout_rng=key, impl="xla_native").impl == "xla_native"
 
 
 @pytest.mark.parametrize("kwargs,error,match", [

@@ -6,6 +6,7 @@ on a small synthetic JSONL dataset whose label is decided by keywords, so a mode
 gets well above chance.
 """
 
+import importlib.util
 import json
 import os
 import pathlib
@@ -22,11 +23,14 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+import tensorstore
 
 from flash_layers.training import checkpoint as checkpoint_lib
+from flash_layers.training import cli
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
+from flash_layers.training import state as state_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 600
@@ -65,10 +69,15 @@ def dataset(tmp_path_factory) -> pathlib.Path:
   return _write_dataset(tmp_path_factory.mktemp("data"))
 
 
-def _env(devices: int = 1) -> dict:
+def _env(devices: int = 1, *, as_user: bool = False) -> dict:
+  """as_user: what a user's shell has, without the CPU and libtpu settings conftest.py makes for tests
+  (kept on a host with a TPU or GPU, where the scripts would otherwise use it)."""
   env = dict(os.environ)
   env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_SKIP_MDS_QUERY="1",
              PYTHONPATH=str(REPO), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  if as_user and not cli.accelerator_present():
+    for name in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
+      env.pop(name, None)
   return env
 
 
@@ -77,9 +86,10 @@ def _command(script: str, workdir, dataset, *overrides) -> list[str]:
           "--workdir", str(workdir), f"--config.data.dataset={dataset}", *overrides]
 
 
-def _run(script, workdir, dataset, *overrides, devices=1, check=True) -> subprocess.CompletedProcess:
-  result = subprocess.run(_command(script, workdir, dataset, *overrides), env=_env(devices), cwd=REPO,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+def _run(script, workdir, dataset, *overrides, devices=1, check=True,
+         as_user=False) -> subprocess.CompletedProcess:
+  result = subprocess.run(_command(script, workdir, dataset, *overrides), env=_env(devices, as_user=as_user),
+                          cwd=REPO, capture_output=True, text=True, timeout=TIMEOUT)
   if check and result.returncode != 0:
     raise AssertionError(f"{script} failed ({result.returncode}):\n{result.stderr[-4000:]}")
   return result
@@ -208,6 +218,8 @@ def _tiny(dataset) -> ml_collections.ConfigDict:
   ("checkpoint.best_metric", "auc", "config.checkpoint.best_metric"),
   ("model.attention_dropout", 1.0, "config.model.attention_dropout: must be None or in [0, 1)"),
   ("model.attention_dropout", 0.1, "model.impl='xla_native' has no attention dropout"),
+  ("model.num_heads", 0, "config.model.num_heads: must be an integer > 0; got 0"),
+  ("data.eval_batch_size", -4, "config.data.eval_batch_size: must be an integer > 0; got -4"),
 ])
 def test_bad_config_value_names_the_field(dataset, field, value, message):
   config = _tiny(dataset)
@@ -215,7 +227,7 @@ def test_bad_config_value_names_the_field(dataset, field, value, message):
     config.model.pretrained = "minilm"
   section, name = field.split(".")
   config[section][name] = value
-  with pytest.raises(ValueError) as error:
+  with pytest.raises(config_lib.ConfigError) as error:
     config_lib.validate(config, num_devices=4)
   assert message in str(error.value)
 
@@ -236,8 +248,9 @@ def test_attention_dropout_resolves_from_the_checkpoint(dataset):
 
 def test_train_py_rejects_bad_config_before_compiling(dataset, tmp_path):
   result = _run("train.py", tmp_path, dataset, "--config.train.learning_rate=-0.1", check=False)
-  assert result.returncode != 0
-  assert "config.train.learning_rate: must be a number > 0; got -0.1" in result.stderr
+  assert result.returncode == 2
+  message = "train.py: error: config.train.learning_rate: must be a number > 0; got -0.1"
+  assert result.stderr.strip() == message
   assert not (tmp_path / "checkpoints").exists()
 
 
@@ -286,16 +299,74 @@ def test_best_checkpoint_keeps_the_best_dev_metric(tmp_path):
   np.testing.assert_array_equal(restored["w"], 2.0)
 
 
+def _file_bytes_read() -> int:
+  """Bytes tensorstore (orbax's storage layer) has read from files so far in this process."""
+  metrics = tensorstore.experimental_collect_matching_metrics("/tensorstore/kvstore/file/bytes_read")
+  return sum(value["value"] for metric in metrics for value in metric["values"])
+
+
+def test_restore_params_reads_no_optimizer_state(tmp_path):
+  keys = jax.random.split(jax.random.key(0), 3)
+  params = {"dense": {"kernel": jax.random.normal(keys[0], (384, 384)),
+                      "bias": jax.random.normal(keys[1], (384,))}}
+  # Adam's moments filled with random numbers, as incompressible on disk as the params.
+  opt_state = jax.tree.map(
+    lambda x: jax.random.normal(keys[2], x.shape) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+    optax.adamw(1e-3).init(params))
+  state = state_lib.TrainState(step=jnp.int32(7), params=params, opt_state=opt_state)
+  nbytes = lambda tree: sum(x.nbytes for x in jax.tree.leaves(tree))
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  for step in (1, 2):  # two steps, so that the two restores below cannot share a cache
+    ckpt.save(step, jax.tree.map(lambda x, s=step: x + s, state), None, '{"seed": 0}')
+  ckpt.wait()
+  ckpt.close()
+  abstract = lambda tree: jax.tree.map(
+    lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  existing = {id(a) for a in jax.live_arrays()}
+  before = _file_bytes_read()
+  step, restored, config_json = ckpt.restore_params(abstract(params), which=1)
+  params_read = _file_bytes_read() - before
+  materialised = [a for a in jax.live_arrays() if id(a) not in existing]
+  before = _file_bytes_read()
+  full = ckpt.restore(abstract(state), which=2)
+  full_read = _file_bytes_read() - before
+  ckpt.close()
+
+  assert step == 1 and json.loads(config_json) == {"seed": 0}
+  jax.tree.map(lambda r, p: np.testing.assert_array_equal(r, p + 1), restored, params)
+  assert sum(a.nbytes for a in materialised) == nbytes(params)  # no optimizer-state arrays were made
+  # On disk the optimizer state (Adam's two moments) is twice the params: a restore that read it
+  # would read about three times the params' bytes, as the full restore does.
+  assert full_read > 2.5 * nbytes(params)
+  assert params_read < 1.2 * nbytes(params), (params_read, full_read)
+  jax.tree.map(lambda r, p: np.testing.assert_array_equal(r, p + 2), full[1].opt_state, opt_state)
+
+
 # ----------------------------------------------------------------------------
 # End to end (subprocesses, as users run them)
 # ----------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, dataset) -> pathlib.Path:
-  """An uninterrupted run of KILL_RUN (also the end-to-end test's run), with a profile."""
+  """An uninterrupted run of KILL_RUN (also the end-to-end test's run), with a profile, started from
+  a user's environment; its console output is kept in workdir/../console.txt."""
   workdir = tmp_path_factory.mktemp("reference")
-  _run("train.py", workdir, dataset, *KILL_RUN, "--config.profile_steps=2")
+  result = _run("train.py", workdir, dataset, *KILL_RUN, "--config.profile_steps=2", as_user=True)
+  (workdir.parent / "console.txt").write_text(result.stdout + result.stderr)
   return workdir
+
+
+def test_first_run_prints_no_libtpu_warnings(reference_run):
+  """libtpu is installed (for the TPU ahead-of-time tests); on a CPU-only host it must stay quiet."""
+  if cli.accelerator_present() or importlib.util.find_spec("libtpu") is None:
+    pytest.skip("only a CPU-only host with libtpu installed can show libtpu's warnings")
+  console = (reference_run.parent / "console.txt").read_text()
+  assert "finished 240 steps" in console  # our own progress is there
+  for marker in ("TPU accelerator type", "host bounds", "Source Location Trace", "InitGoogle", "libtpu",
+                 "Unable to initialize backend"):
+    assert marker not in console, f"{marker!r} printed:\n{console[:3000]}"
 
 
 def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):

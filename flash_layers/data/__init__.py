@@ -14,7 +14,7 @@ import pathlib
 
 from flash_layers.data import bbc, listops
 from flash_layers.data.pipeline import make_batches, pack_rows
-from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records, read
+from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records, read, read_documents
 from flash_layers.data.tokenize import LONG_DOCS, TextTokenizer, listops_tokenizer, load_tokenizer
 
 BUILTIN = ("bbc_news", "listops")
@@ -50,4 +50,5 @@ def load(name_or_path: str | pathlib.Path, split: str = "train", **options) -> R
 
 
 __all__ = ["BUILTIN", "LONG_DOCS", "SPLITS", "DataError", "LabelVocab", "Records", "TextTokenizer",
-           "listops_tokenizer", "load", "load_tokenizer", "make_batches", "pack_rows", "read"]
+           "listops_tokenizer", "load", "load_tokenizer", "make_batches", "pack_rows", "read",
+           "read_documents"]

@@ -16,11 +16,15 @@ import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from flash_layers.errors import UserError
+
 SPLITS = ("train", "dev", "test")
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
+_CHOOSE_COLUMNS = ("choose others with text_column= / label_column=; in train.py with "
+                   "config.data.text_field / config.data.label_field")
 
 
-class DataError(ValueError):
+class DataError(UserError, ValueError):
   """Malformed or inconsistent input data; the message names the file (and line where there is one)."""
 
 
@@ -116,7 +120,10 @@ class Records(list):
 # ----------------------------------------------------------------------------
 
 def _read_text(path: pathlib.Path) -> str:
-  data = path.read_bytes()
+  try:
+    data = path.read_bytes()
+  except OSError as e:
+    raise DataError(f"{path}: cannot read ({e.strerror or e})") from None
   try:
     return data.decode("utf-8")
   except UnicodeDecodeError as e:
@@ -147,7 +154,7 @@ def _read_jsonl(path: pathlib.Path, text_column: str, label_column: str):
     missing = [c for c in (text_column, label_column) if c not in row]
     if missing:
       raise DataError(f"{where}missing column(s) {missing}; the line has {sorted(row)} "
-                      "(choose others with text_column= / label_column=)")
+                      f"({_CHOOSE_COLUMNS})")
     rows += 1
     yield _check_text(row[text_column], where), row[label_column], where
   if rows == 0:
@@ -162,7 +169,7 @@ def _read_delimited(path: pathlib.Path, delimiter: str, text_column: str, label_
   missing = [c for c in (text_column, label_column) if c not in reader.fieldnames]
   if missing:
     raise DataError(f"{path}:1: missing column(s) {missing}; the header has {reader.fieldnames} "
-                    "(choose others with text_column= / label_column=)")
+                    f"({_CHOOSE_COLUMNS})")
   rows = 0
   for row in reader:
     where = f"{path}:{reader.line_num}: "
@@ -187,6 +194,26 @@ def _read_class_folders(root: pathlib.Path):
       if not text.strip():
         raise DataError(f"{path}: empty file")
       yield text, folder.name, f"{path}: "
+
+
+def read_documents(path: str | pathlib.Path, *, text_column: str = "text") -> list[dict]:
+  """The JSON objects of a JSONL file of unlabelled documents, each with a string `text_column`
+  (to predict); DataError naming the file and line otherwise."""
+  path = pathlib.Path(path)
+  rows = []
+  for lineno, line in enumerate(_read_text(path).splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      row = json.loads(line)
+    except json.JSONDecodeError as e:
+      raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    if not isinstance(row, dict) or not isinstance(row.get(text_column), str):
+      raise DataError(f"{path}:{lineno}: each line must be a JSON object with a string field {text_column!r}")
+    rows.append(row)
+  if not rows:
+    raise DataError(f"{path}: empty file (no documents)")
+  return rows
 
 
 def _raw(path: pathlib.Path, text_column: str, label_column: str):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import numpy as np
 import tokenizers
 
+from flash_layers.data.readers import DataError
 from flash_layers.models import assets
 
 LONG_DOCS = ("truncate", "windows")
@@ -41,7 +42,10 @@ def load_tokenizer(name_or_path: str | pathlib.Path) -> tokenizers.Tokenizer:
   if not path.is_file():
     raise FileNotFoundError(f"tokenizer must be 'minilm', 'listops', a tokenizer.json or a directory "
                             f"holding one; {path} does not exist")
-  return tokenizers.Tokenizer.from_file(str(path))
+  try:
+    return tokenizers.Tokenizer.from_file(str(path))
+  except Exception as e:  # the Rust library raises a bare Exception for any malformed file
+    raise DataError(f"{path}: not a Hugging Face tokenizers file ({str(e).splitlines()[0][:200]})") from None
 
 
 class TextTokenizer:

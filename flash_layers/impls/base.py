@@ -35,11 +35,13 @@ from typing import Any, Protocol
 
 import jax
 
+from flash_layers.errors import UserError
 from flash_layers.masks import MaskSpec
 
 
-class UnsupportedError(ValueError):
-  """An explicitly chosen impl cannot serve this request (feature, dtype or platform)."""
+class UnsupportedError(UserError, ValueError):
+  """An explicitly chosen impl cannot serve this request (feature, dtype or platform); a choice the user
+  can change, so train.py reports it as one line."""
 
 
 @dataclasses.dataclass(frozen=True)

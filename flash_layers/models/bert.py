@@ -1,7 +1,8 @@
 """A BERT-compatible document encoder in flax.linen whose attention is `fl.MultiHeadAttention`.
 
-Architecture as BERT (Devlin et al. 2019), so Hugging Face BERT checkpoints load unchanged
-(`flash_layers.models.from_pretrained`): word + position + token-type embeddings and a LayerNorm;
+Architecture as BERT (Devlin et al. 2019), so Hugging Face BERT, RoBERTa and XLM-RoBERTa
+checkpoints load unchanged (`flash_layers.models.from_pretrained`; RoBERTa is BERT whose position
+rows start at `position_offset` = padding_idx + 1): word + position + token-type embeddings and a LayerNorm;
 post-LN blocks of self-attention and an exact-erf GELU MLP; hidden dropout after the embeddings,
 the attention output and the MLP, and attention-probability dropout (BERT's
 attention_probs_dropout_prob) inside `fl.attention`, whose mask is the same under every impl.
@@ -64,6 +65,39 @@ def document_mask(segment_ids: jax.Array, max_docs: int) -> jax.Array:
   return segment_ids[:, None, :] == docs[None, :, None]
 
 
+def pool_documents(hidden: jax.Array, segment_ids: jax.Array, max_docs: int,
+                   pooling: str) -> tuple[jax.Array, jax.Array]:
+  """(pooled [batch, max_docs, hidden], present [batch, max_docs, 1] bool), before any head.
+
+  "cls": each document's first token; "mean": the mean of its hidden states. Absent documents
+  pool to zeros.
+  """
+  mask = document_mask(segment_ids.astype(jnp.int32), max_docs)
+  present = mask.any(axis=-1, keepdims=True)
+  if pooling == "mean":
+    weights = mask.astype(jnp.float32)
+    total = jnp.einsum("bdl,blh->bdh", weights, hidden.astype(jnp.float32))
+    pooled = total / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
+  else:
+    first = jnp.argmax(mask, axis=-1)  # index of each document's first token, its [CLS]
+    pooled = jnp.take_along_axis(hidden, first[..., None], axis=1)
+  return jnp.where(present, pooled, 0).astype(hidden.dtype), present
+
+
+def check_inputs(max_len: int, input_ids, segment_ids, positions, token_type_ids) -> None:
+  """Shapes and dtypes of an encoder call, with errors naming the argument."""
+  if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+    raise ValueError(f"input_ids must be an int array [batch, len]; got {input_ids.dtype}{input_ids.shape}")
+  if input_ids.shape[1] > max_len:
+    raise ValueError(f"input length {input_ids.shape[1]} exceeds max_len={max_len}; load or build the "
+                     "model with a larger max_len")
+  for name, x in (("segment_ids", segment_ids), ("positions", positions),
+                  ("token_type_ids", token_type_ids)):
+    if x is not None and tuple(x.shape) != tuple(input_ids.shape):
+      raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}; "
+                       f"got {tuple(x.shape)}")
+
+
 class Block(nn.Module):
   """A post-LN transformer block: x = LN(x + Attn(x)); x = LN(x + MLP(x))."""
 
@@ -113,7 +147,9 @@ class Bert(nn.Module):
   Attributes:
     vocab_size, hidden_size, num_layers, num_heads, mlp_dim, type_vocab_size, layer_norm_eps,
       initializer_range: as BERT's config (intermediate_size is mlp_dim).
-    max_len: rows of the learned position table = the longest input.
+    max_len: the longest input; the learned position table has max_len + position_offset rows.
+    position_offset: position p reads row p + position_offset (RoBERTa: padding_idx + 1 = 2; the
+      rows below are never read).
     num_labels: classes of the classification head; None for no head.
     pooling: "cls" ([CLS] token of each document through BERT's tanh pooler) or "mean" (mean of
       each document's hidden states, as sentence-transformers).
@@ -135,6 +171,7 @@ class Bert(nn.Module):
   num_heads: int = 12
   mlp_dim: int = 3072
   max_len: int = 512
+  position_offset: int = 0
   type_vocab_size: int = 2
   layer_norm_eps: float = 1e-12
   initializer_range: float = 0.02
@@ -155,6 +192,9 @@ class Bert(nn.Module):
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive int; got {value!r}")
+    if isinstance(self.position_offset, bool) or not isinstance(self.position_offset, int) \
+        or self.position_offset < 0:
+      raise ValueError(f"position_offset must be an int >= 0; got {self.position_offset!r}")
     if self.hidden_size % self.num_heads:
       raise ValueError(f"hidden_size ({self.hidden_size}) must be a multiple of num_heads "
                        f"({self.num_heads})")
@@ -175,7 +215,8 @@ class Bert(nn.Module):
                                          param_dtype=self.param_dtype,
                                          embedding_init=_init(self.initializer_range, axes), name=name)
     self.word_embeddings = emb(self.vocab_size, ("vocab", "embed"), "word_embeddings")
-    self.position_embeddings = emb(self.max_len, (None, "embed"), "position_embeddings")
+    self.position_embeddings = emb(self.max_len + self.position_offset, (None, "embed"),
+                                   "position_embeddings")
     self.token_type_embeddings = emb(self.type_vocab_size, (None, "embed"), "token_type_embeddings")
     self.embeddings_norm = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype,
                                         param_dtype=self.param_dtype,
@@ -209,18 +250,6 @@ class Bert(nn.Module):
       self.mlm_bias = self.param("mlm_bias", _constant(0.0, ("vocab",)), (self.vocab_size,),
                                  self.param_dtype)
 
-  def _check_inputs(self, input_ids, segment_ids, positions, token_type_ids):
-    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
-      raise ValueError(f"input_ids must be an int array [batch, len]; got {input_ids.dtype}{input_ids.shape}")
-    if input_ids.shape[1] > self.max_len:
-      raise ValueError(f"input length {input_ids.shape[1]} exceeds max_len={self.max_len} (the "
-                       "position table); load with a larger max_len to extend it")
-    for name, x in (("segment_ids", segment_ids), ("positions", positions),
-                    ("token_type_ids", token_type_ids)):
-      if x is not None and tuple(x.shape) != tuple(input_ids.shape):
-        raise ValueError(f"{name} must have the shape of input_ids {tuple(input_ids.shape)}; "
-                         f"got {tuple(x.shape)}")
-
   def encode(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
              positions: jax.Array | None = None, token_type_ids: jax.Array | None = None,
              deterministic: bool = True) -> jax.Array:
@@ -229,7 +258,7 @@ class Bert(nn.Module):
     segment_ids: [batch, len], documents 1, 2, ..., padding 0; None = one document per row, no
       padding. positions: [batch, len]; None = from segment_ids. token_type_ids: None = zeros.
     """
-    self._check_inputs(input_ids, segment_ids, positions, token_type_ids)
+    check_inputs(self.max_len, input_ids, segment_ids, positions, token_type_ids)
     if segment_ids is None:
       segment_ids = jnp.ones(input_ids.shape, jnp.int32)
     segment_ids = segment_ids.astype(jnp.int32)
@@ -237,7 +266,7 @@ class Bert(nn.Module):
       positions = positions_from_segments(segment_ids)
     if token_type_ids is None:
       token_type_ids = jnp.zeros_like(input_ids)
-    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions)
+    x = (self.word_embeddings(input_ids) + self.position_embeddings(positions + self.position_offset)
          + self.token_type_embeddings(token_type_ids))
     x = self.embeddings_norm(x)
     x = self.dropout(x, deterministic=deterministic)
@@ -248,16 +277,10 @@ class Bert(nn.Module):
 
   def pool(self, hidden: jax.Array, segment_ids: jax.Array, max_docs: int) -> jax.Array:
     """One vector per document: [batch, max_docs, hidden_size] (zeros for absent documents)."""
-    mask = document_mask(segment_ids.astype(jnp.int32), max_docs)
-    present = mask.any(axis=-1, keepdims=True)
+    pooled, present = pool_documents(hidden, segment_ids, max_docs, self.pooling)
     if self.pooling == "mean":
-      weights = mask.astype(jnp.float32)
-      total = jnp.einsum("bdl,blh->bdh", weights, hidden.astype(jnp.float32))
-      pooled = total / jnp.maximum(weights.sum(-1, keepdims=True), 1.0)
-      return jnp.where(present, pooled, 0.0).astype(hidden.dtype)
-    first = jnp.argmax(mask, axis=-1)  # index of each document's first token, its [CLS]
-    cls = jnp.take_along_axis(hidden, first[..., None], axis=1)
-    return jnp.where(present, jnp.tanh(self.pooler(cls)), 0)
+      return pooled
+    return jnp.where(present, jnp.tanh(self.pooler(pooled)), 0)
 
   def classify(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
@@ -268,8 +291,12 @@ class Bert(nn.Module):
     hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
     if segment_ids is None:
       segment_ids = jnp.ones(input_ids.shape, jnp.int32)
-    pooled = self.pool(hidden, segment_ids, max_docs)
-    pooled = self.dropout(pooled, deterministic=deterministic)
+    return self.classify_hidden(hidden, segment_ids, max_docs=max_docs, deterministic=deterministic)
+
+  def classify_hidden(self, hidden: jax.Array, segment_ids: jax.Array, *, max_docs: int = 1,
+                      deterministic: bool = True) -> jax.Array:
+    """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
+    pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
     return self.classifier(pooled).astype(jnp.float32)
 
   def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
@@ -278,7 +305,10 @@ class Bert(nn.Module):
     """Masked-LM logits [batch, len, vocab_size] (decoder tied to the word embeddings)."""
     if not self.mlm_head:
       raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
-    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    return self.mlm_hidden(self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic))
+
+  def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
+    """`mlm` from the encoder's output."""
     x = self.mlm_norm(jax.nn.gelu(self.mlm_transform(hidden), approximate=False))
     return (self.word_embeddings.attend(x) + self.mlm_bias).astype(jnp.float32)
 
@@ -288,13 +318,13 @@ class Bert(nn.Module):
                          deterministic=deterministic)
 
   def init_everything(self, input_ids):
-    """For `init`: touches every parameter (encoder and whichever heads the model has)."""
+    """For `init`: touches every parameter (encoder and whichever heads the model has), encoding once."""
     hidden = self.encode(input_ids)
     outs = [hidden]
     if self.num_labels is not None:
-      outs.append(self.classify(input_ids))
+      outs.append(self.classify_hidden(hidden, jnp.ones(input_ids.shape, jnp.int32)))
     if self.mlm_head:
-      outs.append(self.mlm(input_ids))
+      outs.append(self.mlm_hidden(hidden))
     return outs
 
 

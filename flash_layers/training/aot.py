@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from flash_layers import models
+from flash_layers.errors import UserError
 from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
 from flash_layers.training import collectives as collectives_lib
 from flash_layers.training import config as config_lib
@@ -34,17 +35,21 @@ log = logging.getLogger("flash_layers.training")
 GiB = 2**30
 
 
+class AotTopologyError(UserError, ValueError):
+  """--aot_topology names no TPU slice that libtpu can describe (or libtpu is missing)."""
+
+
 def topology_devices(topology: str, num_slices: int = 1):
   """The devices of `num_slices` slices of `topology`, each with its `slice_index`."""
   from jax.experimental import topologies
   if isinstance(num_slices, bool) or not isinstance(num_slices, int) or num_slices < 1:
-    raise ValueError(f"--aot_num_slices must be a positive integer; got {num_slices!r}")
+    raise AotTopologyError(f"--aot_num_slices must be a positive integer; got {num_slices!r}")
   try:
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
     return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
   except Exception as e:  # libtpu missing or an unknown name
-    raise ValueError(f"--aot_topology {topology!r}: cannot describe this TPU slice (needs libtpu; names "
-                     f"like v5p:2x2x2, v5e:4x4, v4:2x2x2): {type(e).__name__}: {e}") from None
+    raise AotTopologyError(f"--aot_topology {topology!r}: cannot describe this TPU slice (needs libtpu; "
+                           f"names like v5p:2x2x2, v5e:4x4, v4:2x2x2): {type(e).__name__}: {e}") from None
 
 
 def hbm_per_chip(topology: str) -> int | None:

@@ -12,6 +12,9 @@ Orbax writes each step into a temporary directory and renames it when
 complete, so a save cut short by a kill is never listed as a step. A listed
 step whose files are damaged fails to restore; `restore()` then warns, moves
 it aside (`<step>.corrupt-<n>`) and takes the one before it.
+
+`restore_params()` (for eval.py) reads the params subtree of the state and the
+config only: orbax's partial restore skips the optimizer state's arrays on disk.
 """
 
 from __future__ import annotations
@@ -26,14 +29,60 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
+from flash_layers.errors import UserError
+
 log = logging.getLogger("flash_layers.training")
 
 ITEMS = ("state", "data", "config")
 
 
+class NoCheckpointError(UserError, FileNotFoundError):
+  """The workdir, or the checkpoint asked for, is not there."""
+
+
+def saved_steps(workdir: str) -> dict[str, list[int]]:
+  """{"latest": steps in workdir/checkpoints, "best": steps in workdir/best}, read from the directory
+  names alone (no orbax, nothing created): a step directory exists only once its save completed."""
+  found = {}
+  for which, folder in (("latest", "checkpoints"), ("best", "best")):
+    path = os.path.join(workdir, folder)
+    names = os.listdir(path) if os.path.isdir(path) else []
+    found[which] = sorted(int(n) for n in names if n.isdigit())
+  return found
+
+
+def check_restorable(workdir: str, which: str | int = "latest") -> None:
+  """NoCheckpointError naming the workdir unless it holds the checkpoint `which` asks for.
+
+  Cheap and side-effect free, so eval.py runs it before building anything."""
+  if not os.path.isdir(workdir):
+    raise NoCheckpointError(f"--workdir {workdir}: no such directory (train into it first: "
+                            f"python train.py --config ... --workdir {workdir})")
+  steps = saved_steps(workdir)
+  if which in ("latest", "best"):
+    if not steps[which]:
+      folder = "checkpoints" if which == "latest" else "best"
+      raise NoCheckpointError(f"--workdir {workdir}: no {which} checkpoint ({folder}/ is empty or missing); "
+                              "run train.py with this --workdir first")
+  elif int(which) not in steps["latest"] + steps["best"]:
+    raise NoCheckpointError(f"--checkpoint {which}: no such step in {workdir}; it has {steps['latest']} "
+                            f"in checkpoints/ and {steps['best']} in best/")
+
+
 def _manager(directory: str, **options) -> ocp.CheckpointManager:
+  # The state is saved and restored through the PyTree handler (StandardSave/Restore wrap it, but
+  # cannot restore a subtree). Registering it up front means one manager serves full and partial
+  # restores alike, whichever comes first.
+  registry = ocp.handlers.DefaultCheckpointHandlerRegistry()
+  state_handler = ocp.PyTreeCheckpointHandler()
+  registry.add("state", ocp.args.PyTreeSave, state_handler)
+  registry.add("state", ocp.args.PyTreeRestore, state_handler)
+  for name in ("data", "config"):
+    handler = ocp.JsonCheckpointHandler()
+    registry.add(name, ocp.args.JsonSave, handler)
+    registry.add(name, ocp.args.JsonRestore, handler)
   return ocp.CheckpointManager(
-    directory, options=ocp.CheckpointManagerOptions(create=True, **options), item_names=ITEMS)
+    directory, options=ocp.CheckpointManagerOptions(create=True, **options), handler_registry=registry)
 
 
 def _lower_is_better(metric: str) -> bool:
@@ -106,6 +155,29 @@ class Checkpointer:
     With fallback, a step that fails to restore is moved aside with a warning and
     the previous one tried.
     """
+    args = ocp.args.Composite(state=_pytree_restore(abstract_state), data=ocp.args.JsonRestore(),
+                              config=ocp.args.JsonRestore())
+    restored = self._restore(args, which, fallback)
+    if restored is None:
+      return None
+    step, items = restored
+    return step, items["state"], _data_state_for_this_process(items["data"]), json.dumps(items["config"])
+
+  def restore_params(self, abstract_params, *, which: str | int = "latest", fallback: bool = True):
+    """Only the state's params, onto the shardings in `abstract_params`: (step, params, config_json).
+
+    The optimizer state, the step counter and the data-iterator state are not read.
+    `which` and `fallback` are as for `restore`; None when there is nothing to restore.
+    """
+    args = ocp.args.Composite(state=_pytree_restore({"params": abstract_params}, partial=True),
+                              config=ocp.args.JsonRestore())
+    restored = self._restore(args, which, fallback)
+    if restored is None:
+      return None
+    step, items = restored
+    return step, items["state"]["params"], json.dumps(items["config"])
+
+  def _restore(self, args: ocp.args.Composite, which: str | int, fallback: bool):
     if which == "best":
       manager, candidates = self.best, [s for s in [self.best.best_step()] if s is not None]
     elif which == "latest":
@@ -114,14 +186,12 @@ class Checkpointer:
       step = int(which)
       manager = self.latest if step in self.latest.all_steps() else self.best
       if step not in manager.all_steps():
-        raise ValueError(f"checkpoint step {step} not found in {self.workdir}/checkpoints or /best; "
-                         f"have {self.steps('latest')} and best {self.steps('best')}")
+        raise NoCheckpointError(f"checkpoint step {step} not found in {self.workdir}/checkpoints or /best; "
+                                f"have {self.steps('latest')} and best {self.steps('best')}")
       candidates = [step]
     for step in candidates:
       try:
-        restored = manager.restore(step, args=ocp.args.Composite(
-          state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore(),
-          config=ocp.args.JsonRestore()))
+        return step, manager.restore(step, args=args)
       except Exception as e:  # orbax raises many kinds for damaged files
         if not fallback or which not in ("latest",):
           raise
@@ -129,9 +199,6 @@ class Checkpointer:
                     "using the previous one", step, manager.directory, type(e).__name__,
                     str(e).splitlines()[0][:200] if str(e) else "")
         self._move_aside(manager, step)
-        continue
-      data_state = _data_state_for_this_process(restored["data"])
-      return step, restored["state"], data_state, json.dumps(restored["config"])
     return None
 
   def _move_aside(self, manager: ocp.CheckpointManager, step: int):
@@ -175,8 +242,14 @@ def _gather_strings(text: str) -> list[str]:
 def _composite(state, data_state, config_json: str) -> ocp.args.Composite:
   per_process = _gather_strings(json.dumps(_encode(data_state)))
   data = {"process_count": len(per_process), "processes": [json.loads(s) for s in per_process]}
-  return ocp.args.Composite(state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data),
+  return ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data),
                             config=ocp.args.JsonSave(json.loads(config_json)))
+
+
+def _pytree_restore(abstract, *, partial: bool = False) -> ocp.args.PyTreeRestore:
+  """Arrays restored onto the shardings of `abstract`; with `partial`, only the leaves it names."""
+  restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
+  return ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args, partial_restore=partial)
 
 
 def _data_state_for_this_process(data: dict):

@@ -2,7 +2,7 @@
 
 The files in configs/ start from `default_config()` and change what their task
 needs; `validate()` checks a finished config before anything is compiled, so a
-bad value is a ValueError naming the field, not a traceback from inside JAX.
+bad value is a `ConfigError` naming the field, not a traceback from inside JAX.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from ml_collections.config_dict import placeholder
 
 from flash_layers import data as data_lib
 from flash_layers import models
+from flash_layers.errors import UserError
 from flash_layers.impls import IMPLS
 from flash_layers.parallel.mesh import AXES, resolve_mesh, slice_count
 
@@ -29,7 +30,7 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.model = m = ml_collections.ConfigDict()
   # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
-  # ("reference", "xla_native", "xla_chunked", "flash_pallas").
+  # ("reference", "xla_native", "xla_chunked", "xla_dense", "flash_pallas").
   m.impl = "auto"
   # Tokens per row. Beyond the checkpoint's position table (512 for BERT) the
   # learned positions are extended (see position_extension), up to
@@ -162,8 +163,12 @@ BUILTIN_DATASETS = ("bbc_news", "listops")
 BEST_METRICS = ("accuracy", "macro_f1", "loss")
 
 
+class ConfigError(UserError, ValueError):
+  """A config value that cannot work; the message starts with the field (`config.train.num_steps: ...`)."""
+
+
 def _fail(field: str, message: str):
-  raise ValueError(f"config.{field}: {message}")
+  raise ConfigError(f"config.{field}: {message}")
 
 
 def _positive_int(config, field: str, *, allow_zero: bool = False):
@@ -175,6 +180,12 @@ def _positive_int(config, field: str, *, allow_zero: bool = False):
     _fail(field, f"must be an integer {'>= 0' if allow_zero else '> 0'}; got {value!r}")
 
 
+def _optional_positive_int(config, field: str):
+  section, name = field.split(".")
+  if config[section][name] is not None:
+    _positive_int(config, field)
+
+
 def _choice(value, field: str, allowed):
   if value not in allowed:
     _fail(field, f"must be one of {tuple(allowed)}; got {value!r}")
@@ -182,7 +193,7 @@ def _choice(value, field: str, allowed):
 
 def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = None,
              num_slices: int | None = None, check_data: bool = True) -> None:
-  """Raise ValueError naming the first bad field. Runs before any compilation.
+  """Raise ConfigError (a ValueError) naming the first bad field. Runs before any compilation.
 
   num_devices: devices the mesh must tile (default: jax.device_count()).
   num_slices: how many slices they form (default: from jax.devices()' slice_index).
@@ -198,6 +209,11 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
   if m.attention_dropout is not None and not 0.0 <= m.attention_dropout < 1.0:
     _fail("model.attention_dropout", f"must be None or in [0, 1); got {m.attention_dropout!r}")
+  if m.pretrained is None:
+    for size in ("num_layers", "hidden_size", "num_heads", "mlp_dim"):
+      _positive_int(config, f"model.{size}")
+  _optional_positive_int(config, "model.vocab_size")
+  _optional_positive_int(config, "model.num_labels")
 
   _positive_int(config, "train.num_steps")
   _positive_int(config, "train.batch_size")
@@ -231,6 +247,10 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 
   _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
   _choice(d.eval_split, "data.eval_split", ("dev", "test"))
+  _positive_int(config, "data.window_stride", allow_zero=True)
+  _positive_int(config, "data.max_docs_per_row")
+  _positive_int(config, "data.num_workers", allow_zero=True)
+  _optional_positive_int(config, "data.eval_batch_size")
   if not 0.0 < d.dev_fraction < 1.0:
     _fail("data.dev_fraction", f"must be in (0, 1); got {d.dev_fraction!r}")
   if check_data and d.dataset not in BUILTIN_DATASETS and not os.path.exists(d.dataset):
@@ -275,12 +295,15 @@ def _check_position_table(m):
 def mesh_shape(config: ml_collections.ConfigDict, num_devices: int, num_slices: int = 1) -> dict[str, int]:
   """config.mesh resolved for `make_mesh`: the per-slice sizes and the DCN sizes, -1s replaced.
 
-  ValueError naming the field when the sizes do not tile `num_slices` slices of
+  ConfigError naming the field when the sizes do not tile `num_slices` slices of
   num_devices / num_slices devices each, or when tensor or sequence would span slices.
   """
   ms = config.mesh
-  return resolve_mesh({axis: ms[axis] for axis in AXES}, {"dcn_data": ms.dcn_data, "dcn_fsdp": ms.dcn_fsdp},
-                      num_devices, num_slices, field="config.mesh.{}")
+  try:
+    return resolve_mesh({axis: ms[axis] for axis in AXES}, {"dcn_data": ms.dcn_data, "dcn_fsdp": ms.dcn_fsdp},
+                        num_devices, num_slices, field="config.mesh.{}")
+  except ValueError as e:  # the shared resolver names the field; here it is the user's config
+    raise ConfigError(str(e)) from None
 
 
 def _validate_mesh(config, num_devices, num_slices):

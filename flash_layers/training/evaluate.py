@@ -20,11 +20,11 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from flash_layers import data as data_lib
+from flash_layers.errors import UserError
 from flash_layers.parallel.mesh import LOGICAL_RULES
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
-from flash_layers.training import optimizer as optimizer_lib
 from flash_layers.training import sharding as sharding_lib
 from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
@@ -69,20 +69,20 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, shard
 
 
 def restore_params(config, workdir: str, task: task_lib.Task, mesh, which: str | int):
-  tx = optimizer_lib.make_optimizer(config.train)
-  abstract, _ = state_lib.state_shardings(task.init_params, tx, mesh, LOGICAL_RULES)
+  """(step, params) of a checkpoint, sharded on `mesh`; the optimizer state is not read."""
+  abstract, _ = state_lib.params_shardings(task.init_params, mesh, LOGICAL_RULES)
   checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
                                             best_metric=config.checkpoint.best_metric)
   try:
-    restored = checkpoints.restore(abstract, which=which)
+    restored = checkpoints.restore_params(abstract, which=which)
   finally:
     checkpoints.close()
   if restored is None:
-    raise FileNotFoundError(f"no {which} checkpoint in {workdir} (checkpoints/ and best/ are empty); "
-                            "run train.py with this --workdir first")
-  step, state, _, saved_config = restored
+    raise checkpoint_lib.NoCheckpointError(f"no {which} checkpoint in {workdir} could be restored; "
+                                           "run train.py with this --workdir first")
+  step, params, saved_config = restored
   _warn_on_config_drift(config, json.loads(saved_config))
-  return step, state.params
+  return step, params
 
 
 def _warn_on_config_drift(config, saved: dict):
@@ -97,17 +97,22 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
                         task: task_lib.Task | None = None) -> dict:
   setup_logging()
   config_lib.validate(config, check_data=task is None)
+  # Everything the user named is checked before anything is built or compiled.
+  if checkpoint not in ("latest", "best") and not str(checkpoint).isdigit():
+    raise UserError(f"--checkpoint must be 'latest', 'best' or a step number; got {checkpoint!r}")
+  which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
+  documents = data_lib.read_documents(predict, text_column=config.data.text_field) if predict else None
+  checkpoint_lib.check_restorable(workdir, which)
   log_job_info()
   mesh = sharding_lib.mesh_from_config(config)
   if task is None:
     task = task_lib.build_task(config, mesh, with_train_data=False)
-  which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
   step, params = restore_params(config, workdir, task, mesh, which)
   with sharding_lib.sharding_context(mesh):
-    return _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, predictions_path)
+    return _evaluate(config, workdir, mesh, task, checkpoint, step, params, documents, predictions_path)
 
 
-def _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, predictions_path) -> dict:
+def _evaluate(config, workdir, mesh, task, checkpoint, step, params, documents, predictions_path) -> dict:
   log.info("evaluating checkpoint step %d (%s) on %s", step, checkpoint, config.data.eval_split)
   eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, num_labels=task.num_labels))
   batches, count = task.eval_batches(config.data.eval_split)
@@ -125,35 +130,16 @@ def _evaluate(config, workdir, mesh, task, checkpoint, step, params, predict, pr
       json.dump(report, f, indent=1)
     log.info("%s @ step %d\n%s", config.data.eval_split, step, metrics_lib.summary_table(
       {config.data.eval_split: {k: report[k] for k in ("loss", "accuracy", "macro_f1", "num_examples")}}))
-  if predict:
+  if documents is not None:
     predictions_path = predictions_path or os.path.join(workdir, "predictions.jsonl")
-    predict_file(config, task, params, eval_step, mesh, predict, predictions_path)
+    predict_documents(config, task, params, eval_step, mesh, documents, predictions_path)
     report["predictions"] = predictions_path
   return report
 
 
-def _read_texts(path: str, text_field: str) -> list[dict]:
-  rows = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise data_lib.DataError(f"{path}:{number}: not JSON ({e.msg})") from None
-      if not isinstance(row, dict) or not isinstance(row.get(text_field), str):
-        raise data_lib.DataError(f"{path}:{number}: needs a string field {text_field!r}")
-      rows.append(row)
-  if not rows:
-    raise data_lib.DataError(f"{path}: no documents")
-  return rows
-
-
-def predict_file(config, task: task_lib.Task, params, eval_step, mesh, path: str, out_path: str) -> None:
-  """One prediction per document of a JSONL file (first max_len tokens of each)."""
-
-  rows = _read_texts(path, config.data.text_field)
+def predict_documents(config, task: task_lib.Task, params, eval_step, mesh, rows: list[dict],
+                      out_path: str) -> None:
+  """One prediction per document (`data.read_documents` rows; first max_len tokens of each), as JSONL."""
   tokenizer = data_lib.TextTokenizer(task_lib.make_tokenizer(config).tokenizer, max_len=config.model.max_len)
   global_batch = task_lib.eval_batch_size(config)
   local = global_batch // jax.process_count()

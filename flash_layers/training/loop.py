@@ -17,6 +17,7 @@ import math
 import os
 import signal
 import time
+from collections.abc import Callable
 
 import jax
 import ml_collections
@@ -81,11 +82,18 @@ class PreemptionWatch:
 # The job
 # ----------------------------------------------------------------------------
 
+StepHook = Callable[[int, state_lib.TrainState], None]
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
-                       task: task_lib.Task | None = None) -> dict:
+                       task: task_lib.Task | None = None, on_step: StepHook | None = None) -> dict:
   """Train (resuming from workdir if it holds a checkpoint), evaluate, return the final metrics.
 
   `task` overrides the model and data built from the config (for tests and notebooks).
+  `on_step(step, state)` is called on the host after every step, once that step's logging,
+  dev evaluation and checkpoint save have been started -- for monitoring (benchmarks/memory.py
+  samples memory with it). It runs in the loop's thread, so it should be quick; `state` is
+  donated to the next step, so it must not be kept.
   """
   setup_logging()
   config_lib.validate(config, check_data=task is None)
@@ -95,12 +103,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   if task is None:
     task = task_lib.build_task(config, mesh)
   os.makedirs(workdir, exist_ok=True)
-  return Trainer(config, workdir, mesh, task).run()
+  return Trainer(config, workdir, mesh, task, on_step=on_step).run()
 
 
 class Trainer:
-  def __init__(self, config, workdir: str, mesh: Mesh, task: task_lib.Task):
+  def __init__(self, config, workdir: str, mesh: Mesh, task: task_lib.Task, *,
+               on_step: StepHook | None = None):
     self.config, self.workdir, self.mesh, self.task = config, workdir, mesh, task
+    self.on_step = on_step
     train = config.train
     self.tx = optimizer_lib.make_optimizer(train)
     self.schedule = optimizer_lib.learning_rate_schedule(train)
@@ -196,6 +206,8 @@ class Trainer:
             log.warning("stopped by SIGTERM at step %d; checkpoint saved, run again to resume", done)
             stopped_early = True
             break
+          if self.on_step is not None:
+            self.on_step(done, state)
       if not stopped_early:
         last_dev = self._dev_eval(state, train.num_steps, writer)
     finally:

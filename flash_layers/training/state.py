@@ -38,7 +38,15 @@ def state_shardings(init_params: Callable[[], Any], tx: optax.GradientTransforma
 
   `init_params` is traced only (jax.eval_shape): nothing is allocated.
   """
-  boxed = jax.eval_shape(lambda: _new_state(init_params(), tx))
+  return _abstract(jax.eval_shape(lambda: _new_state(init_params(), tx)), mesh, rules)
+
+
+def params_shardings(init_params: Callable[[], Any], mesh: Mesh, rules) -> tuple[Any, Any]:
+  """(abstract params, shardings): what restoring params alone (for evaluation) needs."""
+  return _abstract(jax.eval_shape(init_params), mesh, rules)
+
+
+def _abstract(boxed, mesh: Mesh, rules):
   specs = nn.get_partition_spec(boxed)
   shardings = nn.logical_to_mesh_sharding(specs, mesh, rules)
   # Leaves without logical names (step, Adam's count) come back as bare PartitionSpecs.

@@ -23,6 +23,7 @@ from flash_layers import models
 from flash_layers.data import readers
 from flash_layers.training import config as config_lib
 from flash_layers.training import steps as steps_lib
+from flash_layers.training.config import ConfigError
 
 log = logging.getLogger("flash_layers.training")
 
@@ -90,8 +91,8 @@ def tokenizer_path(config: ml_collections.ConfigDict) -> str:
     return "listops"
   if config.model.pretrained:
     return str(models.assets.checkpoint_dir(config.model.pretrained))
-  raise ValueError("config.data.tokenizer: needed when training from scratch on text "
-                   "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
+  raise ConfigError("config.data.tokenizer: needed when training from scratch on text "
+                    "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
 
 
 def make_tokenizer(config) -> data_lib.TextTokenizer:
@@ -101,8 +102,8 @@ def make_tokenizer(config) -> data_lib.TextTokenizer:
 
 def local_batch_size(global_batch: int) -> int:
   if global_batch % jax.process_count():
-    raise ValueError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
-                     "processes")
+    raise ConfigError(f"config.train.batch_size={global_batch} must divide over {jax.process_count()} "
+                      "processes")
   return global_batch // jax.process_count()
 
 
@@ -131,9 +132,11 @@ def materialized_eval_batches(records, tokenizer, global_batch: int):
 def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: int | None):
   """(model, pretrained params as host numpy arrays, or None when training from scratch)."""
   m = config.model
-  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate,
-                attention_dropout_rate=config_lib.attention_dropout(config), dtype=models.DTYPES[m.dtype],
+  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype],
                 remat=m.remat)
+  attention_dropout = config_lib.attention_dropout(config)
+  if attention_dropout:  # (ModernBert has no such field: asking it for one is an unknown override)
+    common["attention_dropout_rate"] = attention_dropout
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
                                            position_extension=m.position_extension, seed=config.seed,
@@ -141,7 +144,7 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
     return model, jax.tree.map(np.asarray, params)
   vocab_size = m.vocab_size or vocab_size
   if not vocab_size:
-    raise ValueError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
+    raise ConfigError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
   model = models.Bert(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
                       num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len, num_labels=num_labels,
                       **common)
@@ -163,8 +166,8 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   tokenizer = make_tokenizer(config)
   label_names = list(train_records.vocab.names)
   if config.model.num_labels and config.model.num_labels != len(label_names):
-    raise ValueError(f"config.model.num_labels={config.model.num_labels} but the training data has "
-                     f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
+    raise ConfigError(f"config.model.num_labels={config.model.num_labels} but the training data has "
+                      f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
   model, pretrained = build_model(config, len(label_names), tokenizer.vocab_size)
   seq_len = config.model.max_len
 
@@ -179,9 +182,15 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
       max_docs_per_row=d.max_docs_per_row if d.packing else None, shuffle=d.shuffle, seed=config.seed,
       num_epochs=None, num_workers=d.num_workers)
 
+  # The split evaluated (dev while training, data.eval_split in eval.py) is read now: a mistake in
+  # its file then stops the run before anything compiles, not at the first evaluation.
+  records = {"train": train_records}
+  first_eval = "dev" if with_train_data else config.data.eval_split
+  records[first_eval] = load_split(config, first_eval)
+
   def eval_batches(split: str):
-    records = load_split(config, split) if split != "train" else train_records
-    batches, count = materialized_eval_batches(records, tokenizer, eval_batch_size(config))
+    split_records = records[split] if split in records else load_split(config, split)
+    batches, count = materialized_eval_batches(split_records, tokenizer, eval_batch_size(config))
     return iter(batches), count
 
   return Task(logits_fn=make_logits_fn(model), init_params=init_params, pretrained_params=pretrained,
