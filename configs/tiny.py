@@ -18,6 +18,7 @@ def get_config():
   c.model.mlp_dim = 64
   c.model.pooling = "mean"
   c.model.dropout_rate = 0.1
+  c.model.attention_dropout = 0.0  # xla_native has no attention dropout
   c.data.dataset = "REQUIRED: --config.data.dataset=path.jsonl"
   c.data.tokenizer = "minilm"
   c.data.eval_split = "dev"

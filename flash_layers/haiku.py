@@ -31,8 +31,9 @@ class MultiHeadAttention(hk.Module):
   Fields as in `flash_layers.MultiHeadAttention`, except that `kernel_init` and
   `bias_init` are Haiku initializers `(shape, dtype) -> array`. Defaults match
   the Flax layer's: LeCun-normal kernels (fan-in is the input features, not the
-  3-D kernel's leading dims) and zero biases. `dropout_rate` must be 0 to train:
-  a call with dropout_rate > 0 and deterministic=False raises UnsupportedError.
+  3-D kernel's leading dims) and zero biases. Dropout (dropout_rate > 0 and a call
+  with deterministic=False) draws its key with `hk.next_rng_key()`, so it needs
+  `hk.transform`'s rng; the mask is `fl.dropout_mask` of that key.
   """
 
   def __init__(self, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
@@ -41,7 +42,8 @@ class MultiHeadAttention(hk.Module):
                softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
                dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = True,
                kernel_init: Callable | None = None, bias_init: Callable | None = None,
-               precision: Any = None, dropout_rate: float = 0.0, name: str | None = None):
+               precision: Any = None, dropout_rate: float = 0.0, alibi: Any = False,
+               name: str | None = None):
     super().__init__(name=name)
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -61,6 +63,7 @@ class MultiHeadAttention(hk.Module):
     self.bias_init = bias_init or jnp.zeros
     self.precision = precision
     self.dropout_rate = dropout_rate
+    self.alibi = alibi
     layers.check_fields(self)
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
@@ -70,7 +73,6 @@ class MultiHeadAttention(hk.Module):
 
     Returns [batch, q_len, out_features].
     """
-    layers.check_dropout(self.dropout_rate, deterministic)
     if inputs_kv is None:
       inputs_kv = inputs_q
     dims = layers.head_dims(self, inputs_q, inputs_kv)
@@ -78,7 +80,8 @@ class MultiHeadAttention(hk.Module):
     query = _dense(self, "query", inputs_q, (features, dims.num_heads, dims.head_dim), 1)
     key = _dense(self, "key", inputs_kv, (kv_features, dims.num_kv_heads, dims.head_dim), 1)
     value = _dense(self, "value", inputs_kv, (kv_features, dims.num_kv_heads, dims.head_dim_v), 1)
-    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids)
+    dropout_rng = hk.next_rng_key() if layers.needs_dropout_rng(self, deterministic) else None
+    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
     return _dense(self, "out", out, (dims.num_heads, dims.head_dim_v, dims.out_features), 2)
 
 

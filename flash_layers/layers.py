@@ -8,8 +8,9 @@
 * `attention_fn(impl=...)`: a drop-in `attention_fn=` for
   `flax.linen.MultiHeadDotProductAttention` and `flax.nnx.MultiHeadAttention`.
 
-The field checks and head-size defaults live here once and are shared with the
-Haiku layer (`flash_layers.haiku`).
+The field checks, head-size defaults and the call into `fl.attention` live here
+once and are shared with the NNX and Haiku layers (`flash_layers.nnx`,
+`flash_layers.haiku`).
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from flash_layers import api, dispatch, rotary
+from flash_layers import api, dispatch, dropout, rotary
 from flash_layers.impls import UnsupportedError
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
@@ -58,15 +60,25 @@ def check_fields(layer) -> None:
   rate = layer.dropout_rate
   if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
     raise ValueError(f"dropout_rate must be a float in [0, 1); got {rate!r}")
+  _check_alibi(layer.alibi, layer.num_heads)
 
 
-def check_dropout(dropout_rate: float, deterministic: bool) -> None:
-  """Attention-probability dropout would need the probabilities, which no fused impl materializes."""
-  if dropout_rate and not deterministic:
-    raise UnsupportedError(
-        f"dropout_rate={dropout_rate} with deterministic=False: dropout on attention "
-        "probabilities is not supported by flash_layers; set dropout_rate=0 (or apply dropout "
-        "to the layer's output instead)")
+def _check_alibi(alibi, num_heads: int) -> None:
+  if alibi is None or isinstance(alibi, bool):
+    return
+  slopes = np.asarray(alibi)
+  if slopes.shape != (num_heads,) or not np.issubdtype(slopes.dtype, np.floating):
+    raise ValueError(f"alibi must be a bool or float slopes [num_heads]=({num_heads},); "
+                     f"got {slopes.dtype}{slopes.shape}")
+
+
+def alibi_slopes(layer) -> jax.Array | None:
+  """The slopes `fl.attention` gets: None, the standard ones (alibi=True) or the layer's own."""
+  if layer.alibi is None or layer.alibi is False:
+    return None
+  if layer.alibi is True:
+    return dropout.alibi_slopes(layer.num_heads)
+  return jnp.asarray(layer.alibi, jnp.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,7 +101,11 @@ def head_dims(layer, inputs_q, inputs_kv) -> HeadDims:
   if inputs_q.shape[0] != inputs_kv.shape[0]:
     raise ValueError(f"inputs_q and inputs_kv batch sizes differ: {inputs_q.shape[0]} vs "
                      f"{inputs_kv.shape[0]}")
-  features = inputs_q.shape[-1]
+  return resolve_dims(layer, inputs_q.shape[-1])
+
+
+def resolve_dims(layer, features: int) -> HeadDims:
+  """head_dims for query inputs of `features` features (the NNX layer knows them at construction)."""
   head_dim = layer.head_dim
   if head_dim is None:
     if features % layer.num_heads:
@@ -104,12 +120,18 @@ def head_dims(layer, inputs_q, inputs_kv) -> HeadDims:
       out_features=layer.out_features or features)
 
 
-def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids):
-  """`fl.attention` with the layer's attention fields."""
+def needs_dropout_rng(layer, deterministic: bool) -> bool:
+  return bool(layer.dropout_rate) and not deterministic
+
+
+def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None):
+  """`fl.attention` with the layer's attention fields; dropout applies when given a key."""
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                        window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
                        scale=layer.scale, softcap=layer.softcap,
+                       dropout_rate=layer.dropout_rate if dropout_rng is not None else 0.0,
+                       dropout_rng=dropout_rng, alibi_slopes=alibi_slopes(layer),
                        block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None))
 
 
@@ -187,9 +209,12 @@ class MultiHeadAttention(nn.Module):
     dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
     use_bias, kernel_init, bias_init, precision: of the projections, as in `nn.DenseGeneral`
       (the attention itself runs at the impl's own precision).
-    dropout_rate: must be 0 to train: dropout on attention probabilities is not
-      supported (a call with dropout_rate > 0 and deterministic=False raises
-      UnsupportedError). Kept so that flax configs port; deterministic calls are exact.
+    dropout_rate: attention-probability dropout, applied when the call has
+      deterministic=False, with keys from the "dropout" rng collection
+      (`apply(..., rngs={"dropout": key})`). The mask is `fl.dropout_mask` of that key:
+      the same under every impl and mesh. xla_native does not serve it.
+    alibi: ALiBi position bias: True for the standard slopes (`fl.alibi_slopes(num_heads)`),
+      or float slopes [num_heads]; False/None for none.
   """
 
   num_heads: int
@@ -213,6 +238,7 @@ class MultiHeadAttention(nn.Module):
   bias_init: Callable = nn.initializers.zeros_init()
   precision: Any = None
   dropout_rate: float = 0.0
+  alibi: Any = False
 
   def __post_init__(self):
     check_fields(self)
@@ -248,7 +274,6 @@ class MultiHeadAttention(nn.Module):
     queries; kv_positions default to positions in self-attention.
     Returns [batch, q_len, out_features].
     """
-    check_dropout(self.dropout_rate, deterministic)
     if (positions is not None or kv_positions is not None) and self.rope_theta is None:
       raise ValueError("positions / kv_positions are used by the rotary embeddings only; set rope_theta")
     if inputs_kv is None:
@@ -265,7 +290,8 @@ class MultiHeadAttention(nn.Module):
     if self.rope_theta is not None:
       query = self._rotate(query, positions, "positions")
       key = self._rotate(key, kv_positions, "kv_positions")
-    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids)
+    dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
+    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
 
 
@@ -281,35 +307,48 @@ _HARMLESS_EXTRA = ("promote_dtype", "force_fp32_for_softmax")
 _EINSUM_EXTRA = ("qk_attn_weights_einsum", "attn_weights_value_einsum", "einsum_dot_general", "einsum")
 
 
-def _flatten_batch(query, key, value, mask):
-  """[batch..., len, heads, d] -> [batch, len, heads, d]; the mask follows the batch dims."""
-  batch_shape = query.shape[:-3]
-  flat = lambda x: x.reshape((math.prod(batch_shape),) + x.shape[-3:])
-  if mask is not None:
-    mask = jnp.asarray(mask)
-    if mask.ndim < 3:
-      mask = mask.reshape((1,) * (3 - mask.ndim) + mask.shape)
-    mask = flat(jnp.broadcast_to(mask, batch_shape + mask.shape[-3:]))
-  return batch_shape, flat(query), flat(key), flat(value), mask
+def _flatten_batch(x, batch_shape):
+  """[batch..., rest...] -> [batch, rest...] (x has len(batch_shape) leading axes)."""
+  return x.reshape((math.prod(batch_shape),) + x.shape[len(batch_shape):])
+
+
+def _flatten_logits_operand(x, batch_shape):
+  """A mask or bias [batch...|1, heads|1, q_len, kv_len] -> [batch|1, heads|1, q_len, kv_len].
+
+  One shared over every batch dim stays shared (not broadcast to the batch).
+  """
+  x = jnp.asarray(x)
+  if x.ndim < 3:
+    x = x.reshape((1,) * (3 - x.ndim) + x.shape)
+  lead = x.shape[:-3]
+  if math.prod(lead) == 1:
+    return x.reshape((1,) + x.shape[-3:])
+  return _flatten_batch(jnp.broadcast_to(x, batch_shape + x.shape[-3:]), batch_shape)
 
 
 def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
   """An `attention_fn` for `flax.linen.MultiHeadDotProductAttention` / `flax.nnx.MultiHeadAttention`.
 
-      layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fl.attention_fn(impl="xla_native"))
+      layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fl.attention_fn(impl="xla_chunked"))
 
   Args:
     impl: one of `fl.IMPLS` or "auto".
     **fixed_kwargs: `fl.attention` options applied to every call: causal, window,
       scale, softcap, block_sizes.
 
-  The module's dense boolean `mask` ([batch..., heads|1, q_len, kv_len], True =
-  attend) and nnx's `is_causal` are honoured. A mask needs an impl that takes a
-  dense mask (reference, xla_native, xla_chunked, xla_dense); flash_pallas raises
-  UnsupportedError. Unlike flax's softmax, a row whose mask hides every key gets
-  zeros. An additive `bias`, attention-probability dropout (dropout_rate > 0 and
-  not deterministic) and sown attention weights raise UnsupportedError; `precision`
-  is ignored (each impl picks its own).
+  What the modules pass is honoured:
+  * `mask` (dense boolean, [batch..., heads|1, q_len, kv_len], True = attend) and
+    nnx's `is_causal`. A dense mask needs reference, xla_native, xla_chunked or xla_dense;
+    flash_pallas raises UnsupportedError("dense mask"). Unlike flax's softmax, a
+    row whose mask hides every key gets zeros.
+  * `dropout_rate`, `dropout_rng`, `broadcast_dropout`, `deterministic`: attention
+    dropout through `fl.attention` (its mask is `fl.dropout_mask`, not flax's
+    bernoulli draw); xla_native raises UnsupportedError("dropout").
+  * `bias`: an additive logits bias [batch..., heads|1, q_len, kv_len] (for callers
+    that pass one); flash_pallas raises UnsupportedError("dense bias").
+  Refused by name: sown attention weights (`sow_weights=True`: the probabilities
+  are never materialized) and custom einsums. `precision` is ignored (each impl
+  picks its own).
   """
   dispatch.check_impl(impl)
   unknown = sorted(set(fixed_kwargs) - set(_FIXED_KWARGS))
@@ -319,11 +358,7 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
   def fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
          **extra):
-    del broadcast_dropout, dropout_rng, precision
-    if bias is not None:
-      raise UnsupportedError("attention_fn: an additive attention bias is not supported; express "
-                             "it as a boolean mask, causal, window or segment ids")
-    check_dropout(dropout_rate, deterministic)
+    del precision
     if module is not None:
       raise UnsupportedError("attention_fn: sow_weights is not supported (the attention "
                              "probabilities are never materialized)")
@@ -336,11 +371,24 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
           raise UnsupportedError(f"attention_fn: a custom {name} is not supported")
       elif name not in _HARMLESS_EXTRA:
         raise TypeError(f"attention_fn got an unexpected keyword argument {name!r}")
+    dropout_kwargs = {}
+    if dropout_rate and not deterministic:
+      if dropout_rng is None:
+        raise ValueError(f"attention_fn: dropout_rate={dropout_rate} with deterministic=False "
+                         "needs a dropout_rng (flax modules pass one from the 'dropout' rng stream)")
+      dropout_kwargs = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+                            dropout_broadcast=bool(broadcast_dropout))
     if dtype is None:
       dtype = jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))
-    batch_shape, q, k, v, mask = _flatten_batch(query, key, value, mask)
-    request, args = dispatch.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask)
+    batch_shape = query.shape[:-3]
+    q, k, v = (_flatten_batch(x, batch_shape) for x in (query, key, value))
+    if mask is not None:
+      mask = _flatten_logits_operand(mask, batch_shape)
+    if bias is not None:
+      bias = _flatten_logits_operand(bias, batch_shape)
+    request, args = dispatch.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask,
+                                     bias=bias, **dropout_kwargs)
     out, _ = dispatch.attend(q, k, v, impl=impl, request=request, args=args)
     return out.reshape(batch_shape + out.shape[1:])
 

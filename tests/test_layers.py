@@ -1,8 +1,10 @@
-"""The layers: Flax and Haiku MultiHeadAttention and the attention_fn adapter.
+"""The layers: Flax (linen and NNX) and Haiku MultiHeadAttention and the attention_fn adapter.
 
 Independent references: flax's own MultiHeadDotProductAttention / nnx
 MultiHeadAttention with their default dot-product attention (masks built with
 flax's helpers), loaded with the same weights. Every impl in fl.IMPLS runs; none is skipped.
+The NNX layer runs the linen layer's tests through `NnxLayer`, which loads the linen
+params into it (so those tests also check that the weights port).
 """
 
 import functools
@@ -19,6 +21,7 @@ from flax import nnx
 
 import flash_layers as fl
 from flash_layers import haiku as flh
+from flash_layers import nnx as flnnx
 
 IMPLS = fl.IMPLS
 BATCH, Q_LEN, KV_LEN, EMBED, KV_EMBED, HEADS = 2, 12, 9, 32, 24, 4
@@ -48,8 +51,8 @@ def apply(module, params, *args, **kwargs):
   return module.apply(params, *args, **kwargs)
 
 
-def nnx_call(model, x, **kwargs):
-  return model(x, **kwargs)
+def nnx_call(model, *args, **kwargs):
+  return model(*args, **kwargs)
 
 
 def init_params(layer, *args, **kwargs):
@@ -60,6 +63,44 @@ def init_params(layer, *args, **kwargs):
 
 def flax_mha(**kwargs):
   return nn.MultiHeadDotProductAttention(num_heads=HEADS, **kwargs)
+
+
+class NnxLayer:
+  """`flash_layers.nnx.MultiHeadAttention` behind the linen layer's `clone`/`apply(variables, ...)`.
+
+  `apply` builds the NNX layer for the inputs' widths and loads the linen variables into it.
+  Dropout keys: `rngs={"dropout": key}` is passed to the call as the key itself.
+  """
+
+  def __init__(self, **fields):
+    self.fields = fields
+
+  def clone(self, **fields):
+    return NnxLayer(**{**self.fields, **fields})
+
+  def build(self, inputs_q, inputs_kv=None, variables=None):
+    fields = dict(self.fields)
+    in_kv = None if inputs_kv is None else inputs_kv.shape[-1]
+    model = flnnx.MultiHeadAttention(fields.pop("num_heads"), inputs_q.shape[-1], in_kv_features=in_kv,
+                                     rngs=nnx.Rngs(0), **fields)
+    if variables is not None:
+      state = nnx.state(model, nnx.Param)
+      state.replace_by_pure_dict(flnnx.params_from_linen(variables))
+      nnx.update(model, state)
+    return model
+
+  def apply(self, variables, inputs_q, inputs_kv=None, *, rngs=None, **kwargs):
+    model = self.build(inputs_q, inputs_kv, variables)
+    if rngs is not None:
+      kwargs["rngs"] = rngs["dropout"]
+    return model(inputs_q, inputs_kv, **kwargs)
+
+
+KINDS = ("linen", "nnx")
+
+
+def make_layer(kind, **fields):
+  return fl.MultiHeadAttention(**fields) if kind == "linen" else NnxLayer(**fields)
 
 
 # ----------------------------------------------------------------------------
@@ -88,46 +129,61 @@ def case_setup(case):
   layer = fl.MultiHeadAttention(num_heads=HEADS, **spec["layer"])
   params = init_params(layer, *args, **kwargs)
 
-  def loss(params, impl):
-    return jnp.sum(jnp.sin(layer.clone(impl=impl).apply(params, *args, **kwargs)))
+  def loss(params, impl, kind):
+    impl_layer = make_layer(kind, num_heads=HEADS, impl=impl, **spec["layer"])
+    return jnp.sum(jnp.sin(impl_layer.apply(params, *args, **kwargs)))
 
-  value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=1)
-  return layer, params, args, kwargs, value_and_grad, value_and_grad(params, "reference")
+  value_and_grad = jax.jit(jax.value_and_grad(loss), static_argnums=(1, 2))
+  return layer, params, args, kwargs, value_and_grad, value_and_grad(params, "reference", "linen")
 
 
-@pytest.mark.parametrize("impl", IMPLS)
+# The NNX layer makes the same attend_heads call as the linen one; flash_pallas (slow
+# in interpret mode) runs for linen only.
+IMPL_KINDS = [(impl, "linen") for impl in IMPLS] + [(impl, "nnx") for impl in IMPLS if impl != "flash_pallas"]
+
+
+@pytest.mark.parametrize(("impl", "kind"), IMPL_KINDS)
 @pytest.mark.parametrize("case", CASES)
-def test_same_params_same_output_under_every_impl(case, impl):
-  """Forward and parameter gradients of one layer agree across impls (vs the reference impl)."""
+def test_same_params_same_output_under_every_impl(case, impl, kind):
+  """Forward and parameter gradients of one layer agree across impls (vs the linen layer, reference impl)."""
   layer, params, args, kwargs, value_and_grad, (want, want_grad) = case_setup(case)
-  got, got_grad = value_and_grad(params, impl)
+  got, got_grad = value_and_grad(params, impl, kind)
   np.testing.assert_allclose(got, want, **TOL)
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, **TOL), got_grad, want_grad)
   out = jax.eval_shape(layer.clone(impl=impl).apply, params, *args, **kwargs)
   assert out.shape == (BATCH, Q_LEN, CASES[case]["layer"].get("out_features", EMBED))
 
 
-def test_unsupported_features_raise_for_xla_native():
+@pytest.mark.parametrize("kind", KINDS)
+def test_unsupported_features_raise_for_xla_native(kind):
   x = inputs()
-  layer = fl.MultiHeadAttention(num_heads=HEADS, softcap=20.0, impl="xla_native")
-  params = jax.eval_shape(layer.clone(impl="reference").init, jax.random.key(0), x)
+  layer = make_layer(kind, num_heads=HEADS, softcap=20.0, impl="xla_native")
+  params = jax.eval_shape(fl.MultiHeadAttention(num_heads=HEADS).init, jax.random.key(0), x)
   with pytest.raises(fl.UnsupportedError, match="softcap"):
     jax.eval_shape(layer.apply, params, x)
   # head_dim_v != head_dim: other impls serve it, xla_native refuses it by name.
-  layer = fl.MultiHeadAttention(num_heads=HEADS, head_dim_v=4, impl="xla_native")
-  params = nn.meta.unbox(jax.eval_shape(layer.clone(impl="reference").init, jax.random.key(0), x))
+  layer = make_layer(kind, num_heads=HEADS, head_dim_v=4, impl="xla_native")
+  params = nn.meta.unbox(jax.eval_shape(fl.MultiHeadAttention(num_heads=HEADS, head_dim_v=4).init,
+                                        jax.random.key(0), x))
   assert params["params"]["value"]["kernel"].shape == (EMBED, HEADS, 4)
   assert params["params"]["out"]["kernel"].shape == (HEADS, 4, EMBED)
   with pytest.raises(fl.UnsupportedError, match="head_dim_v"):
     jax.eval_shape(layer.apply, params, x)
+  # Dropout: xla_native (jax.nn.dot_product_attention) has none.
+  layer = make_layer(kind, num_heads=HEADS, dropout_rate=0.1, impl="xla_native")
+  params = jax.eval_shape(fl.MultiHeadAttention(num_heads=HEADS).init, jax.random.key(0), x)
+  with pytest.raises(fl.UnsupportedError, match="dropout"):
+    jax.eval_shape(functools.partial(layer.apply, deterministic=False), params, x,
+                   rngs={"dropout": jax.random.key(0)})
 
 
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("impl", ["reference", "xla_native"])
-def test_bfloat16_compute(impl):
+def test_bfloat16_compute(impl, kind):
   """dtype=bfloat16 computes and returns bfloat16, close to the float32 layer with the same params."""
   x = inputs()
-  layer = fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2, causal=True, impl=impl)
-  params = init_params(layer, x)
+  layer = make_layer(kind, num_heads=HEADS, num_kv_heads=2, causal=True, impl=impl)
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2), x)
   out = apply(layer.clone(dtype=jnp.bfloat16), params, x)
   assert out.dtype == jnp.bfloat16
   np.testing.assert_allclose(out.astype(jnp.float32), apply(layer, params, x), atol=0.1, rtol=0.05)
@@ -139,13 +195,14 @@ def test_bfloat16_compute(impl):
 
 # The other impls equal the reference in the layer (test above, with gradients), so
 # reference and auto (the default) suffice against flax.
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("impl", ["reference", "auto"])
-def test_layer_matches_flax_mha(impl):
+def test_layer_matches_flax_mha(impl, kind):
   """Same weights, flax's own dot-product attention: also checks the 1/sqrt(head_dim) default scale."""
   x, y = inputs(), inputs(KV_LEN, seed=2)  # same features: the params serve self- and cross-attention
   q_seg, kv_seg = segments(Q_LEN, 5), segments(KV_LEN, 6)
   params = init_params(fl.MultiHeadAttention(num_heads=HEADS), x, y)
-  ours = fl.MultiHeadAttention(num_heads=HEADS, impl=impl)
+  ours = make_layer(kind, num_heads=HEADS, impl=impl)
   # Flax's param tree is ours: init it from the same key and compare the structure.
   theirs = jax.eval_shape(flax_mha().init, jax.random.key(1), x, y)
   assert jax.tree.map(jnp.shape, theirs) == jax.tree.map(jnp.shape, params)
@@ -241,11 +298,15 @@ def test_attention_fn_in_nnx_mha(impl):
 def test_attention_fn_refuses_what_it_cannot_do():
   q = k = v = jnp.ones((1, 4, 2, 8))
   fn = fl.attention_fn(impl="reference")
-  with pytest.raises(fl.UnsupportedError, match="bias"):
-    fn(q, k, v, bias=jnp.zeros((1, 2, 4, 4)))
+  with pytest.raises(fl.UnsupportedError, match="dense bias"):
+    fl.attention_fn(impl="flash_pallas")(q, k, v, bias=jnp.zeros((1, 2, 4, 4)))
   with pytest.raises(fl.UnsupportedError, match="dropout"):
+    fl.attention_fn(impl="xla_native")(q, k, v, dropout_rate=0.1, dropout_rng=jax.random.key(0))
+  with pytest.raises(ValueError, match="needs a dropout_rng"):
     fn(q, k, v, dropout_rate=0.1, deterministic=False)
   np.testing.assert_allclose(fn(q, k, v, dropout_rate=0.1, deterministic=True), v)
+  with pytest.raises(ValueError, match="bias must broadcast"):
+    fn(q, k, v, bias=jnp.zeros((3, 4, 4)))
   with pytest.raises(fl.UnsupportedError, match="sow_weights"):
     fn(q, k, v, module=object())
   with pytest.raises(TypeError, match="surprise"):
@@ -326,7 +387,7 @@ def _haiku_call(x, **fields):
   return jax.eval_shape(init, jax.random.key(0), x)
 
 
-@pytest.mark.parametrize("make", ["flax", "haiku"])
+@pytest.mark.parametrize("make", ["flax", "nnx", "haiku"])
 def test_bad_fields_raise_clear_errors(make):
   x = inputs()
 
@@ -334,6 +395,8 @@ def test_bad_fields_raise_clear_errors(make):
     if make == "flax":
       layer = fl.MultiHeadAttention(**fields)
       return jax.eval_shape(layer.init, jax.random.key(0), x)
+    if make == "nnx":
+      return jax.eval_shape(lambda: NnxLayer(**fields).build(x)(x))
     return _haiku_call(x, **fields)
 
   with pytest.raises(ValueError, match=r"impl must be one of .*'reference'.*got 'fast'"):
@@ -352,6 +415,8 @@ def test_bad_fields_raise_clear_errors(make):
     build(num_heads=HEADS, causal="yes")
   with pytest.raises(ValueError, match="window"):
     build(num_heads=HEADS, window=(-1, 2))
+  with pytest.raises(ValueError, match=r"alibi must be a bool or float slopes \[num_heads\]=\(4,\)"):
+    build(num_heads=HEADS, alibi=(0.5, 0.25))
   build(num_heads=5, head_dim=8)  # an explicit head_dim need not divide the features
 
 
@@ -361,20 +426,16 @@ def test_bad_fields_fail_at_construction():
     fl.MultiHeadAttention(num_heads=HEADS, impl="fast")
   with pytest.raises(ValueError, match="num_kv_heads"):
     fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=3)
+  with pytest.raises(ValueError, match="in_features must be a positive int"):
+    flnnx.MultiHeadAttention(HEADS, 0, rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match="num_kv_heads"):
+    flnnx.MultiHeadAttention(HEADS, EMBED, num_kv_heads=3, rngs=nnx.Rngs(0))
 
 
-def test_dropout_is_refused_only_when_it_would_apply():
-  x = inputs()
-  layer = fl.MultiHeadAttention(num_heads=HEADS, dropout_rate=0.1, impl="reference")
-  params = jax.jit(layer.init)(jax.random.key(0), x)
-  np.testing.assert_allclose(apply(layer, params, x), apply(layer.clone(dropout_rate=0.0), params, x))
-  with pytest.raises(fl.UnsupportedError, match="dropout_rate=0.1 with deterministic=False"):
-    layer.apply(params, x, deterministic=False)
-
-
-def test_bad_inputs_raise_clear_errors():
-  layer = fl.MultiHeadAttention(num_heads=HEADS, impl="reference")
-  params = jax.eval_shape(layer.init, jax.random.key(0), inputs())
+@pytest.mark.parametrize("kind", KINDS)
+def test_bad_inputs_raise_clear_errors(kind):
+  layer = make_layer(kind, num_heads=HEADS, impl="reference")
+  params = jax.eval_shape(fl.MultiHeadAttention(num_heads=HEADS).init, jax.random.key(0), inputs())
   check = lambda *args, **kwargs: jax.eval_shape(layer.apply, params, *args, **kwargs)
   with pytest.raises(ValueError, match=r"inputs_q must have shape \[batch, length, features\]"):
     check(jnp.ones((Q_LEN, EMBED)))
@@ -396,3 +457,134 @@ def test_layer_under_a_mesh_with_logical_rules():
   np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
   specs = nn.get_partition_spec(variables)["params"]
   assert tuple(specs["key"]["kernel"]) == fl.layers.KV_KERNEL_AXES
+
+
+def test_nnx_layer_partition_specs_and_mesh():
+  """The NNX layer's params carry the linen layer's logical names; it builds and runs under a mesh."""
+  x = jax.random.normal(jax.random.key(0), (2, 16, 32))
+  model = flnnx.MultiHeadAttention(4, 32, num_kv_heads=2, impl="reference", rngs=nnx.Rngs(0))
+  specs = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+  P = jax.sharding.PartitionSpec
+  assert specs["query"]["kernel"].get_value() == P(*fl.layers.QUERY_KERNEL_AXES)
+  assert specs["key"]["bias"].get_value() == P(*fl.layers.KV_KERNEL_AXES[1:])
+  assert specs["out"]["kernel"].get_value() == P(*fl.layers.OUT_KERNEL_AXES)
+  expected = model(x)
+  with jax.set_mesh(fl.make_mesh()), nn.logical_axis_rules(fl.LOGICAL_RULES):
+    # Under the rules the names map to mesh axes, as for the linen layer.
+    mapped = nnx.get_partition_spec(nnx.state(model, nnx.Param))
+    linen_vars = jax.eval_shape(fl.MultiHeadAttention(num_heads=4, num_kv_heads=2).init, jax.random.key(0), x)
+    linen_specs = nn.get_partition_spec(linen_vars)["params"]
+    for name in ("query", "key", "value", "out"):
+      for param in ("kernel", "bias"):
+        assert mapped[name][param].get_value() == nn.logical_to_mesh_axes(linen_specs[name][param])
+    inside = flnnx.MultiHeadAttention(4, 32, num_kv_heads=2, impl="reference", rngs=nnx.Rngs(0))
+    out = inside(x)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(expected), rtol=1e-6, atol=1e-6)
+
+
+def test_nnx_weights_round_trip_with_linen():
+  """linen params -> nnx state -> linen params, same outputs both ways; nnx's own init -> linen too."""
+  x, y = inputs(), inputs(KV_LEN, KV_EMBED, seed=2)
+  fields = dict(num_heads=HEADS, num_kv_heads=2, head_dim_v=6, out_features=20, impl="reference")
+  linen_layer = fl.MultiHeadAttention(**fields)
+  params = init_params(linen_layer, x, y)
+  model = NnxLayer(**fields).build(x, y, params)
+  np.testing.assert_allclose(nnx_call(model, x, y), apply(linen_layer, params, x, y), **TOL)
+  back = flnnx.params_to_linen(model)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  # The other way: an NNX layer's own weights serve the linen layer.
+  fresh = NnxLayer(**fields).build(x, y)
+  np.testing.assert_allclose(apply(linen_layer, flnnx.params_to_linen(fresh), x, y), nnx_call(fresh, x, y),
+                             **TOL)
+  with pytest.raises(ValueError, match="inputs_kv has 32 features; this layer was built for 24"):
+    model(x, x)
+
+
+# ----------------------------------------------------------------------------
+# Dropout and ALiBi, every layer, against a float64 NumPy oracle
+# ----------------------------------------------------------------------------
+
+def oracle_layer(params, x, y, *, num_kv_heads, slopes=None, keep=None, rate=0.0, causal=False):
+  """The layer in float64 NumPy: projections, softmax(q.k / sqrt(d) - slope * |i - j|), dropout by `keep`."""
+  p = jax.tree.map(lambda a: np.asarray(a, np.float64), nn.meta.unbox(params)["params"])
+  x, y = np.asarray(x, np.float64), np.asarray(y, np.float64)
+  proj = lambda z, name: np.einsum("btf,fhd->bthd", z, p[name]["kernel"]) + p[name]["bias"]
+  q, k, v = proj(x, "query"), proj(y, "key"), proj(y, "value")
+  group = q.shape[2] // num_kv_heads
+  k, v = np.repeat(k, group, axis=2), np.repeat(v, group, axis=2)
+  s = np.einsum("bthd,bshd->bhts", q, k) / np.sqrt(q.shape[-1])
+  i, j = np.arange(q.shape[1])[:, None], np.arange(k.shape[1])[None, :]
+  if slopes is not None:
+    s = s - np.asarray(slopes, np.float64)[:, None, None] * np.abs(i - j)
+  if causal:
+    s = np.where(j <= i, s, -np.inf)
+  w = np.exp(s - s.max(-1, keepdims=True))
+  w = w / w.sum(-1, keepdims=True)
+  if keep is not None:
+    w = w * np.asarray(keep) / (1 - rate)
+  out = np.einsum("bhts,bshd->bthd", w, v)
+  return np.einsum("bthd,hde->bte", out, p["out"]["kernel"]) + p["out"]["bias"]
+
+
+SLOPES = np.array([0.5, 0.25, 0.8, 0.05], np.float32)  # not the standard ones: the field is used as given
+
+
+def _dropout_call(kind, fields, params, x, y, rng, deterministic):
+  """(layer output, the dropout key the layer's attention got)."""
+  if kind == "linen":
+    layer = fl.MultiHeadAttention(num_heads=HEADS, **fields)
+    out = layer.apply(params, x, y, deterministic=deterministic, rngs={"dropout": rng})
+    # The layer's first make_rng("dropout"): the same call in the same scope draws the same key.
+    return out, layer.apply(params, method=lambda m: m.make_rng("dropout"), rngs={"dropout": rng})
+  if kind == "nnx":
+    model = NnxLayer(num_heads=HEADS, **fields).build(x, y, params)
+    return model(x, y, deterministic=deterministic, rngs=rng), rng
+  fn = hk.transform(lambda x, y: flh.MultiHeadAttention(HEADS, **fields)(x, y, deterministic=deterministic))
+  key = hk.transform(hk.next_rng_key).apply({}, rng)  # the first key of this rng, as the layer draws
+  return fn.apply(flh.params_from_flax(params), rng, x, y), key
+
+
+@pytest.mark.parametrize("kind", ["linen", "nnx", "haiku"])
+def test_dropout_and_alibi_match_the_oracle(kind):
+  x, y = inputs(), inputs(KV_LEN, seed=2)
+  rate = 0.3
+  fields = dict(num_kv_heads=2, dropout_rate=rate, alibi=SLOPES, impl="xla_chunked")
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS, num_kv_heads=2), x, y)
+  got, key = _dropout_call(kind, fields, params, x, y, jax.random.key(7), deterministic=False)
+  keep = fl.dropout_mask(key, batch=BATCH, num_heads=HEADS, q_len=Q_LEN, kv_len=KV_LEN, rate=rate)
+  assert 0.5 < float(np.mean(keep)) < 0.9  # the mask drops some, keeps most
+  want = oracle_layer(params, x, y, num_kv_heads=2, slopes=SLOPES, keep=keep, rate=rate)
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  other, _ = _dropout_call(kind, fields, params, x, y, jax.random.key(8), deterministic=False)
+  assert not np.allclose(other, got, atol=1e-3)  # another key, another mask
+  # deterministic: no dropout, whatever the rng.
+  quiet, _ = _dropout_call(kind, fields, params, x, y, jax.random.key(7), deterministic=True)
+  np.testing.assert_allclose(quiet, oracle_layer(params, x, y, num_kv_heads=2, slopes=SLOPES),
+                             rtol=1e-4, atol=1e-4)
+
+
+def test_alibi_true_is_the_standard_slopes():
+  x = inputs()
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS), x)
+  layer = fl.MultiHeadAttention(num_heads=HEADS, causal=True, alibi=True, impl="reference")
+  want = oracle_layer(params, x, x, num_kv_heads=HEADS, slopes=fl.alibi_slopes(HEADS), causal=True)
+  np.testing.assert_allclose(apply(layer, params, x), want, rtol=1e-4, atol=1e-4)
+
+
+def test_nnx_dropout_with_rngs_train_and_eval():
+  """The layer keeps its nnx.Rngs: each training call draws a new mask; eval() turns dropout off."""
+  x = inputs()
+  params = init_params(fl.MultiHeadAttention(num_heads=HEADS), x)
+  model = flnnx.MultiHeadAttention(HEADS, EMBED, dropout_rate=0.5, impl="reference",
+                                   rngs=nnx.Rngs(params=0, dropout=3))
+  nnx.update(model, nnx.State(flnnx.params_from_linen(params)))
+  plain = apply(fl.MultiHeadAttention(num_heads=HEADS, impl="reference"), params, x)
+  np.testing.assert_allclose(model(x), plain, **TOL)  # deterministic by default, as the linen call
+  model.train()
+  first, second = model(x), model(x)
+  assert not np.allclose(first, second, atol=1e-3) and not np.allclose(first, plain, atol=1e-3)
+  model.eval()
+  np.testing.assert_allclose(model(x), plain, **TOL)
+  no_rngs = flnnx.MultiHeadAttention(HEADS, EMBED, dropout_rate=0.5, rngs=nnx.Rngs(params=0))
+  with pytest.raises(ValueError, match="needs dropout keys"):
+    no_rngs(x, deterministic=False)

@@ -267,6 +267,36 @@ def test_hidden_dropout_is_active_only_when_not_deterministic(tiny_params):
   assert not np.allclose(run(False, jax.random.key(1)), run(False, jax.random.key(2)))
 
 
+def test_attention_dropout_trains_and_is_the_same_under_every_impl(tiny_params):
+  """Attention dropout alone (no hidden dropout): on in training, off in eval, one mask for every impl."""
+  ids, seg = tiny_batch()
+  params = {k: v for k, v in tiny_params.items() if not k.startswith("mlm")}
+
+  def loss(impl, rate, deterministic):
+    model = tiny_model(impl=impl, dropout_rate=0.0, attention_dropout_rate=rate)
+    fn = lambda p: model.apply({"params": p}, ids, seg, max_docs=2, deterministic=deterministic,
+                               rngs={"dropout": jax.random.key(3)})
+    return lambda p: jnp.sum(jnp.sin(fn(p)))
+
+  train, train_grad = jax.jit(jax.value_and_grad(loss("xla_chunked", 0.3, False)))(params)
+  ref, ref_grad = jax.jit(jax.value_and_grad(loss("reference", 0.3, False)))(params)
+  np.testing.assert_allclose(train, ref, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), train_grad, ref_grad)
+  evaluated = jax.jit(loss("xla_chunked", 0.3, True))(params)
+  np.testing.assert_allclose(evaluated, jax.jit(loss("xla_native", 0.0, False))(params), rtol=1e-5)
+  assert not np.isclose(train, evaluated, rtol=1e-3)
+
+
+def test_attention_dropout_comes_from_the_checkpoint(tmp_path):
+  path = write_checkpoint(tmp_path / "ckpt", tiny_tensors(), attention_probs_dropout_prob=0.25)
+  model, _ = models.from_pretrained(path, impl="reference")
+  assert model.attention_dropout_rate == 0.25
+  assert model.dropout_rate == TINY.get("hidden_dropout_prob", 0.1)
+  model, _ = models.from_pretrained(path, impl="reference", attention_dropout_rate=0.0)
+  assert model.attention_dropout_rate == 0.0
+  assert models.pretrained.attention_dropout_of("all-MiniLM-L6-v2") == 0.1
+
+
 def test_cls_pooling_reads_each_documents_first_token(tiny_params):
   ids, seg = tiny_batch()
   model = tiny_model()
@@ -335,6 +365,8 @@ def test_bad_fields_are_named():
     tiny_model(hidden_size=15)
   with pytest.raises(ValueError, match="remat_policy must be one of"):
     tiny_model(remat_policy="all")
+  with pytest.raises(ValueError, match=r"attention_dropout_rate must be in \[0, 1\)"):
+    tiny_model(attention_dropout_rate=1.0)
 
 
 @pytest.mark.parametrize("impl", ["reference", "xla_chunked"])

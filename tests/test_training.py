@@ -216,6 +216,8 @@ def _tiny(dataset) -> ml_collections.ConfigDict:
   ("train.grad_accum_steps", 3, "config.train.grad_accum_steps: must divide train.batch_size=8"),
   ("model.max_len", 512 * 16 + 1, "config.model.max_len: 8193 is above what the checkpoint's 512-row"),
   ("checkpoint.best_metric", "auc", "config.checkpoint.best_metric"),
+  ("model.attention_dropout", 1.0, "config.model.attention_dropout: must be None or in [0, 1)"),
+  ("model.attention_dropout", 0.1, "model.impl='xla_native' has no attention dropout"),
   ("model.num_heads", 0, "config.model.num_heads: must be an integer > 0; got 0"),
   ("data.eval_batch_size", -4, "config.data.eval_batch_size: must be an integer > 0; got -4"),
 ])
@@ -228,6 +230,20 @@ def test_bad_config_value_names_the_field(dataset, field, value, message):
   with pytest.raises(config_lib.ConfigError) as error:
     config_lib.validate(config, num_devices=4)
   assert message in str(error.value)
+
+
+def test_attention_dropout_resolves_from_the_checkpoint(dataset):
+  config = _tiny(dataset)
+  assert config_lib.attention_dropout(config) == 0.0  # tiny sets 0.0 (xla_native has none)
+  config.model.attention_dropout = None  # from scratch: the hidden dropout rate
+  config.model.dropout_rate = 0.2
+  assert config_lib.attention_dropout(config) == 0.2
+  config.model.pretrained = "minilm"  # the checkpoint's attention_probs_dropout_prob
+  assert config_lib.attention_dropout(config) == 0.1
+  with pytest.raises(ValueError, match="config.model.attention_dropout: is 0.1 .*xla_native"):
+    config_lib.validate(config, num_devices=4)
+  config.model.impl = "auto"
+  config_lib.validate(config, num_devices=4)
 
 
 def test_train_py_rejects_bad_config_before_compiling(dataset, tmp_path):

@@ -89,6 +89,14 @@ class _Extras(NamedTuple):
   ints: jax.Array           # int32 [q_offset, kv_offset, batch_offset, head_offset, seed0, seed1]
 
 
+def _tile_starts(st: _ChunkedCall, qb, kb):
+  """Start indices of the (qb, kb) tile of a [h|1, q_len, kv_len] operand, all int32.
+
+  A literal 0 would be int64 under jax_enable_x64, and dynamic_slice wants one index type.
+  """
+  return jnp.int32(0), jnp.asarray(qb * st.block_q, jnp.int32), jnp.asarray(kb * st.block_kv, jnp.int32)
+
+
 class _Row:
   """One batch row's chunked attention: the element mask and the logits of a (q chunk, kv chunk) tile."""
 
@@ -122,7 +130,7 @@ class _Row:
   def bias_tile(self, qb, kb):
     """float32 [kvh|1, g|1, bq, bk] of the dense bias, or None."""
     st = self.st
-    tile = jax.lax.dynamic_slice(self.bias, (0, qb * st.block_q, kb * st.block_kv),
+    tile = jax.lax.dynamic_slice(self.bias, _tile_starts(st, qb, kb),
                                  (self.bias.shape[0], st.block_q, st.block_kv)).astype(jnp.float32)
     if st.heads_in_bias:
       return tile.reshape(st.num_kv_heads, st.group, st.block_q, st.block_kv)
@@ -144,7 +152,7 @@ class _Row:
     ok = ok[None, None]
     if self.dense is not None:
       tile = jax.lax.dynamic_slice(
-          self.dense, (0, qb * st.block_q, kb * st.block_kv),
+          self.dense, _tile_starts(st, qb, kb),
           (self.dense.shape[0], st.block_q, st.block_kv))  # [h|1, bq, bk]
       if st.heads_in_mask:
         tile = tile.reshape(st.num_kv_heads, st.group, st.block_q, st.block_kv)

@@ -4,8 +4,8 @@ Architecture as BERT (Devlin et al. 2019), so Hugging Face BERT, RoBERTa and XLM
 checkpoints load unchanged (`flash_layers.models.from_pretrained`; RoBERTa is BERT whose position
 rows start at `position_offset` = padding_idx + 1): word + position + token-type embeddings and a LayerNorm;
 post-LN blocks of self-attention and an exact-erf GELU MLP; hidden dropout after the embeddings,
-the attention output and the MLP. Attention-probability dropout is not supported (no fused impl
-materializes the probabilities): the config's attention dropout is ignored and the layers keep 0.
+the attention output and the MLP, and attention-probability dropout (BERT's
+attention_probs_dropout_prob) inside `fl.attention`, whose mask is the same under every impl.
 
 Documents are told apart by segment ids, [batch, len] ints: 1, 2, ... for the documents packed
 into a row and 0 for padding. Attention never crosses a document boundary, positions restart at
@@ -105,6 +105,7 @@ class Block(nn.Module):
   mlp_dim: int
   impl: str
   dropout_rate: float
+  attention_dropout_rate: float
   layer_norm_eps: float
   initializer_range: float
   dtype: Any
@@ -127,6 +128,7 @@ class Block(nn.Module):
     hidden = x.shape[-1]
     attn = MultiHeadAttention(num_heads=self.num_heads, impl=self.impl, dtype=self.dtype,
                               param_dtype=self.param_dtype, use_bias=True,
+                              dropout_rate=self.attention_dropout_rate,
                               kernel_init=nn.initializers.normal(self.initializer_range),
                               window=self.window, global_tokens=self.global_tokens, name="attention")
     y = attn(x, segment_ids=segment_ids, deterministic=deterministic)
@@ -155,6 +157,9 @@ class Bert(nn.Module):
       each document's hidden states, as sentence-transformers).
     impl: attention implementation of every layer: "auto" or one of `fl.IMPLS`.
     dropout_rate: hidden dropout (BERT's hidden_dropout_prob); active when deterministic=False.
+    attention_dropout_rate: attention-probability dropout (BERT's attention_probs_dropout_prob;
+      `from_pretrained` sets the checkpoint's); active when deterministic=False. xla_native does
+      not serve it ("auto" then picks an impl that does).
     dtype: compute dtype (e.g. jnp.bfloat16); param_dtype: of the parameters.
     remat: rematerialize each block in the backward pass, saving what `remat_policy` (a name in
       REMAT_POLICIES) allows.
@@ -180,6 +185,7 @@ class Bert(nn.Module):
   pooling: str = "cls"
   impl: str = "auto"
   dropout_rate: float = 0.1
+  attention_dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
   remat: bool = False
@@ -207,8 +213,9 @@ class Bert(nn.Module):
       raise ValueError(f"pooling must be one of {POOLINGS}; got {self.pooling!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}; got {self.remat_policy!r}")
-    if not 0 <= self.dropout_rate < 1:
-      raise ValueError(f"dropout_rate must be in [0, 1); got {self.dropout_rate!r}")
+    for name in ("dropout_rate", "attention_dropout_rate"):
+      if not 0 <= getattr(self, name) < 1:
+        raise ValueError(f"{name} must be in [0, 1); got {getattr(self, name)!r}")
     window = self.attention_window
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
       raise ValueError(f"attention_window must be None or an int >= 2; got {window!r}")
@@ -235,7 +242,9 @@ class Bert(nn.Module):
       # Argument 3 (counting self) is `deterministic`, a Python bool.
       block = nn.remat(Block, policy=REMAT_POLICIES[self.remat_policy], static_argnums=(3,))
     self.layers = [block(num_heads=self.num_heads, mlp_dim=self.mlp_dim, impl=self.impl,
-                         dropout_rate=self.dropout_rate, layer_norm_eps=self.layer_norm_eps,
+                         dropout_rate=self.dropout_rate,
+                         attention_dropout_rate=self.attention_dropout_rate,
+                         layer_norm_eps=self.layer_norm_eps,
                          initializer_range=self.initializer_range, dtype=self.dtype,
                          param_dtype=self.param_dtype, global_tokens=self.global_tokens,
                          window=None if self.attention_window is None else self.attention_window // 2)

@@ -42,12 +42,11 @@ def model_fields(fields: ConfigFields, model_type: str) -> dict[str, Any]:
   fields.choice("pruned_heads", ({},), {}, "pruned heads are not supported")
   fields.choice("classifier_dropout", (None,), None,
                 "the classifier uses hidden_dropout_prob (override with dropout_rate=)")
-  # Dropout on the attention probabilities needs the probabilities, which no fused impl
-  # materializes: accepted (it only regularizes training) and not applied.
-  fields.number("attention_probs_dropout_prob", 0.1)
+  attention_dropout = fields.number("attention_probs_dropout_prob", 0.1)
   dropout = fields.number("hidden_dropout_prob", 0.1)
-  if not 0 <= dropout < 1:
-    fields.fail(f"config field hidden_dropout_prob={dropout} must be in [0, 1)")
+  for name, rate in (("hidden_dropout_prob", dropout), ("attention_probs_dropout_prob", attention_dropout)):
+    if not 0 <= rate < 1:
+      fields.fail(f"config field {name}={rate} must be in [0, 1)")
   return dict(
       vocab_size=fields.integer("vocab_size"), hidden_size=fields.integer("hidden_size"),
       num_layers=fields.integer("num_hidden_layers"), num_heads=fields.integer("num_attention_heads"),
@@ -55,7 +54,8 @@ def model_fields(fields: ConfigFields, model_type: str) -> dict[str, Any]:
       type_vocab_size=fields.integer("type_vocab_size", 2 if model_type == "bert" else 1),
       layer_norm_eps=fields.number("layer_norm_eps", 1e-12),
       initializer_range=fields.number("initializer_range", 0.02),
-      dropout_rate=dropout, max_len=rows - offset, position_offset=offset)
+      dropout_rate=dropout, attention_dropout_rate=attention_dropout, max_len=rows - offset,
+      position_offset=offset)
 
 
 def normalize_names(tensors: dict) -> dict:

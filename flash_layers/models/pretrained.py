@@ -115,6 +115,16 @@ def _set(tree, path, value):
   tree[path[-1]] = value
 
 
+def attention_dropout_of(path: str | pathlib.Path) -> float:
+  """A BERT-family checkpoint's attention_probs_dropout_prob (BertConfig's default 0.1 if absent).
+
+  0.0 for ModernBERT, whose model here has no attention-probability dropout.
+  """
+  config = read_config(resolve_path(path))
+  if _family(config.get("model_type", "bert")) is hf_modernbert:
+    return 0.0
+  return float(config.get("attention_probs_dropout_prob", 0.1))
+
 
 def _family(model_type: str):
   return hf_modernbert if model_type in hf_modernbert.MODEL_TYPES else hf_bert
@@ -178,8 +188,8 @@ def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: in
     num_labels: classes of a new classification head (None: no head).
     position_extension: "repeat" or "interpolate" (module docstring); BERT/RoBERTa only.
     seed: init of the parameters the checkpoint lacks (heads).
-    **overrides: other fields of the model: pooling, dropout_rate, dtype, remat, remat_policy,
-      mlm_head...
+    **overrides: other fields of the model: pooling, dropout_rate, attention_dropout_rate (Bert), dtype,
+      remat, remat_policy, mlm_head...
   Returns:
     the model and its params: host NumPy arrays in the model's param_dtype (`param_axes(model)`
     gives their logical axes).

@@ -57,8 +57,13 @@ def default_config() -> ml_collections.ConfigDict:
   m.dtype = "float32"
   # Rematerialize each block in the backward pass (saves activation memory).
   m.remat = False
-  # Hidden dropout as BERT (attention-probability dropout is not supported).
+  # Hidden dropout as BERT's hidden_dropout_prob.
   m.dropout_rate = 0.1
+  # Attention-probability dropout in training (BERT's attention_probs_dropout_prob):
+  # None = the checkpoint's value (0.1 for BERT and MiniLM), or model.dropout_rate
+  # when training from scratch; 0.0 turns it off. Its mask is fl.dropout_mask, the
+  # same under every impl and mesh; xla_native has none (set 0.0 to train with it).
+  m.attention_dropout = placeholder(float)
   # Sizes used only when training from scratch (pretrained=None).
   m.num_layers = 2
   m.hidden_size = 128
@@ -221,6 +226,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
           "the window)")
   if not 0.0 <= m.dropout_rate < 1.0:
     _fail("model.dropout_rate", f"must be in [0, 1); got {m.dropout_rate!r}")
+  if m.attention_dropout is not None and not 0.0 <= m.attention_dropout < 1.0:
+    _fail("model.attention_dropout", f"must be None or in [0, 1); got {m.attention_dropout!r}")
   if m.pretrained is None:
     for size in ("num_layers", "hidden_size", "num_heads", "mlp_dim"):
       _positive_int(config, f"model.{size}")
@@ -254,6 +261,8 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 
   if check_data and m.pretrained:
     _check_position_table(m)
+  if check_data or not m.pretrained:  # (a pretrained rate is read from the checkpoint)
+    _check_attention_dropout(m, attention_dropout(config))
 
   _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
   _choice(d.window_aggregation, "data.window_aggregation", data_lib.AGGREGATIONS)
@@ -276,6 +285,22 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
           "or a directory holding one)")
 
   _validate_mesh(config, num_devices, num_slices)
+
+
+def attention_dropout(config: ml_collections.ConfigDict) -> float:
+  """model.attention_dropout resolved: the value, else the checkpoint's, else model.dropout_rate."""
+  m = config.model
+  if m.attention_dropout is not None:
+    return float(m.attention_dropout)
+  if m.pretrained:
+    return models.pretrained.attention_dropout_of(m.pretrained)
+  return float(m.dropout_rate)
+
+
+def _check_attention_dropout(m, rate: float):
+  if rate and m.impl == "xla_native":
+    _fail("model.attention_dropout", f"is {rate} (None = the checkpoint's value) but model.impl="
+          "'xla_native' has no attention dropout; set model.attention_dropout=0.0 or another impl")
 
 
 def _check_position_table(m):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import eval_plan, readers
+from flash_layers.training import config as config_lib
 from flash_layers.training import steps as steps_lib
 from flash_layers.training.config import ConfigError
 
@@ -149,6 +150,9 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
                 remat=m.remat)
   if m.attention_window is not None:  # only BERT/RoBERTa take these (ModernBERT: its config's window)
     common.update(attention_window=m.attention_window, global_tokens=m.global_tokens)
+  attention_dropout = config_lib.attention_dropout(config)
+  if attention_dropout:  # (ModernBert has no such field: asking it for one is an unknown override)
+    common["attention_dropout_rate"] = attention_dropout
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
                                            position_extension=m.position_extension, seed=config.seed,

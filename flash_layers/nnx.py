@@ -1,0 +1,169 @@
+"""The `flax.nnx` twin of `fl.MultiHeadAttention`: same fields, same call, same parameters.
+
+    from flash_layers import nnx as flnnx
+    layer = flnnx.MultiHeadAttention(num_heads=8, in_features=512, dropout_rate=0.1,
+                                     rngs=nnx.Rngs(params=0, dropout=1))
+    y = layer(x, deterministic=False)
+
+NNX builds parameters eagerly, so the layer takes `in_features` (and
+`in_kv_features` for cross-attention inputs of another width) and `rngs`.
+Submodules `query`, `key`, `value`, `out` are `nnx.LinearGeneral`s whose
+`kernel`/`bias` have the linen layer's names and shapes, so `params_from_linen`
+and `params_to_linen` only re-nest the tree. Parameters carry the linen layer's
+logical axis names as `out_sharding` metadata (`nnx.get_partition_spec` under
+`nn.logical_axis_rules(fl.LOGICAL_RULES)` maps them to mesh axes); they are not
+sharded eagerly, so the layer builds with or without a mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from flash_layers import dispatch, layers
+
+_PROJECTIONS = ("query", "key", "value", "out")
+# The linen layer's defaults (flax's DenseGeneral's).
+_KERNEL_INIT = nn.initializers.lecun_normal()
+_BIAS_INIT = nn.initializers.zeros_init()
+
+
+def _metadata(axes: tuple[str, ...]) -> dict:
+  return {"out_sharding": axes, "eager_sharding": False}
+
+
+class MultiHeadAttention(nnx.Module):
+  """Multi-head attention (MHA, GQA, MQA) whose attention is `fl.attention`.
+
+  Fields as in `flash_layers.MultiHeadAttention`, plus:
+    in_features: features of inputs_q.
+    in_kv_features: features of inputs_kv; None for in_features.
+    deterministic: the default of the call's `deterministic` (True: no dropout);
+      `model.train()` / `model.eval()` and `nnx.view` set it.
+    rngs: `nnx.Rngs` for the parameters ("params") and, when dropout_rate > 0,
+      the dropout keys ("dropout", else "default"), kept by the layer.
+  """
+
+  def __init__(self, num_heads: int, in_features: int, *, in_kv_features: int | None = None,
+               num_kv_heads: int | None = None, head_dim: int | None = None,
+               head_dim_v: int | None = None, out_features: int | None = None,
+               impl: str = dispatch.AUTO, causal: bool = False,
+               window: int | tuple[int, int] | None = None, softcap: float | None = None,
+               scale: float | None = None, block_sizes: Any = None, mesh: Any = None,
+               dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = True,
+               kernel_init: Callable = _KERNEL_INIT,
+               bias_init: Callable = _BIAS_INIT, precision: Any = None,
+               dropout_rate: float = 0.0, alibi: Any = False, deterministic: bool = True,
+               rngs: nnx.Rngs):
+    self.num_heads = num_heads
+    self.num_kv_heads = num_kv_heads
+    self.head_dim = head_dim
+    self.head_dim_v = head_dim_v
+    self.out_features = out_features
+    self.impl = impl
+    self.causal = causal
+    self.window = window
+    self.softcap = softcap
+    self.scale = scale
+    self.block_sizes = block_sizes
+    self.mesh = mesh
+    self.dropout_rate = dropout_rate
+    self.alibi = alibi
+    self.deterministic = deterministic
+    layers.check_fields(self)
+    if alibi is not None and not isinstance(alibi, bool):
+      # Static data, not an array attribute (which NNX would treat as state).
+      self.alibi = tuple(float(x) for x in np.asarray(alibi))
+    for name, value in (("in_features", in_features), ("in_kv_features", in_kv_features)):
+      if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+        raise ValueError(f"{name} must be a positive int; got {value!r}")
+    self.in_features = in_features
+    self.in_kv_features = in_kv_features or in_features
+    dims = layers.resolve_dims(self, in_features)
+
+    def dense(in_shape, out_shape, kernel_axes, bias_axes, axis=-1):
+      return nnx.LinearGeneral(
+          in_shape, out_shape, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
+          kernel_init=kernel_init, bias_init=bias_init, precision=precision, rngs=rngs,
+          kernel_metadata=_metadata(kernel_axes), bias_metadata=_metadata(bias_axes))
+
+    q_axes, kv_axes = layers.QUERY_KERNEL_AXES, layers.KV_KERNEL_AXES
+    self.query = dense(in_features, (dims.num_heads, dims.head_dim), q_axes, q_axes[1:])
+    self.key = dense(self.in_kv_features, (dims.num_kv_heads, dims.head_dim), kv_axes, kv_axes[1:])
+    self.value = dense(self.in_kv_features, (dims.num_kv_heads, dims.head_dim_v), kv_axes, kv_axes[1:])
+    self.out = dense((dims.num_heads, dims.head_dim_v), dims.out_features, layers.OUT_KERNEL_AXES,
+                     layers.OUT_BIAS_AXES, axis=(-2, -1))
+    self.rngs = nnx.data(None)
+    if dropout_rate and ("dropout" in rngs or "default" in rngs):
+      self.rngs = rngs["dropout"].fork()
+
+  def set_view(self, deterministic: bool | None = None):
+    """For `nnx.view`: deterministic=False turns dropout on by default."""
+    if deterministic is not None:
+      self.deterministic = deterministic
+
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+               segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               deterministic: bool | None = None,
+               rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
+    """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
+
+    segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
+    deterministic: None for the layer's attribute. rngs: dropout keys for this call
+    (an `nnx.Rngs`, a stream or a key) instead of the layer's own.
+    Returns [batch, q_len, out_features].
+    """
+    if inputs_kv is None:
+      inputs_kv = inputs_q
+    layers.head_dims(self, inputs_q, inputs_kv)  # validates the shapes
+    for name, x, want in (("inputs_q", inputs_q, self.in_features),
+                          ("inputs_kv", inputs_kv, self.in_kv_features)):
+      if x.shape[-1] != want:
+        raise ValueError(f"{name} has {x.shape[-1]} features; this layer was built for {want} "
+                         f"({'in_features' if name == 'inputs_q' else 'in_kv_features'})")
+    deterministic = self.deterministic if deterministic is None else deterministic
+    dropout_rng = self._dropout_key(rngs) if layers.needs_dropout_rng(self, deterministic) else None
+    query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
+    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
+    return self.out(out)
+
+  def _dropout_key(self, rngs) -> jax.Array:
+    rngs = self.rngs if rngs is None else rngs
+    if rngs is None:
+      raise ValueError("dropout_rate > 0 with deterministic=False needs dropout keys: build the layer "
+                       "with rngs=nnx.Rngs(..., dropout=...) or pass rngs= to the call")
+    if isinstance(rngs, nnx.Rngs):
+      return rngs["dropout"]()
+    if isinstance(rngs, nnx.RngStream):
+      return rngs()
+    return rngs
+
+
+def params_from_linen(linen_params: Mapping[str, Any]) -> dict:
+  """The nnx state (`nnx.State.replace_by_pure_dict` form) holding the linen layer's weights.
+
+      nnx.update(layer, nnx.State(params_from_linen(variables)))  # or
+      state = nnx.state(layer, nnx.Param); state.replace_by_pure_dict(params_from_linen(variables))
+
+  `linen_params` is the linen layer's variables (`{"params": {...}}`) or their
+  "params" collection, boxed or not.
+  """
+  params = nn.meta.unbox(linen_params)
+  params = params.get("params", params)
+  missing = [p for p in _PROJECTIONS if p not in params]
+  if missing:
+    raise ValueError(f"linen_params lacks {missing}; expected the params of fl.MultiHeadAttention "
+                     f"(modules {list(_PROJECTIONS)})")
+  return {p: dict(params[p]) for p in _PROJECTIONS}
+
+
+def params_to_linen(layer: MultiHeadAttention) -> dict:
+  """The linen layer's variables `{"params": {...}}` holding this NNX layer's weights."""
+  pure = nnx.state(layer, nnx.Param).to_pure_dict()
+  return {"params": {p: dict(pure[p]) for p in _PROJECTIONS}}
