@@ -98,6 +98,7 @@ class Explanation:
   blocks_visited: int | None = None
   blocks_total: int | None = None
   sharding: str | None = None  # how a call with a mesh is split; None: one device
+  grid_steps: int | None = None  # kernel grid steps of the forward pass (TPU kernels), if known
 
   @property
   def block_fraction(self) -> float | None:
@@ -110,6 +111,8 @@ class Explanation:
     if self.blocks_visited is not None:
       text += (f"; blocks visited {self.blocks_visited}/{self.blocks_total} "
                f"({self.block_fraction:.3f})")
+    if self.grid_steps is not None:
+      text += f"; grid steps {self.grid_steps}"
     if self.sharding is not None:
       text += f"; {self.sharding}"
     return text
@@ -136,5 +139,7 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
     stats = block_stats(request, args, here)
     if stats is not None:
       visited, total = stats
+  steps = getattr(chosen, "grid_steps", None)
+  steps = None if steps is None else steps(request, args, here)
   sharding = None if plan is None else plan.describe(request)
-  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding)
+  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps)

@@ -178,6 +178,64 @@ def _block_ranges(seg, length: int, block: int):
   return lo.min(-1), hi.max(-1)
 
 
+class BlockSegments(NamedTuple):
+  """What the tile test needs to know of one side's segment ids, per block ``[b, num_blocks]``:
+  the (decoded) segment id range of its real positions, and whether any / all of them are
+  global tokens (the flag of `encode_global`; zeros without global tokens)."""
+
+  lo: jax.Array
+  hi: jax.Array
+  any_global: jax.Array
+  all_global: jax.Array
+
+
+def block_segments(segment_ids, length: int, block: int, spec: MaskSpec) -> BlockSegments:
+  """`BlockSegments` of ``segment_ids [b, length]`` cut into blocks (O(length) work and memory)."""
+  seg = segment_ids.astype(jnp.int32)
+  if spec.global_tokens and spec.window is not None:
+    flag, seg = seg & 1, seg >> 1
+    any_global = -_block_ranges(-flag, length, block)[0]  # max over the real positions
+    all_global = _block_ranges(flag, length, block)[0]
+  else:
+    any_global = all_global = jnp.zeros((seg.shape[0], -(-length // block)), jnp.int32)
+  lo, hi = _block_ranges(seg, length, block)
+  return BlockSegments(lo, hi, any_global, all_global)
+
+
+def tile_visibility(q_first, q_last, kv_first, kv_last, spec: MaskSpec,
+                    q_info: BlockSegments | None = None, kv_info: BlockSegments | None = None):
+  """(visible, full) of the tile holding queries at global positions ``[q_first, q_last]`` and keys
+  at ``[kv_first, kv_last]``: may any pair see each other, do all pairs?
+
+  The arguments may be NumPy or JAX arrays that broadcast together, or scalars: `block_map` calls
+  it on whole [q blocks, kv blocks] grids, the TPU kernels on the SMEM scalars of one grid step.
+  Only operators are used (no jnp functions), so it runs in either world. Conservative: "visible"
+  may hold for a tile with no visible pair (non-contiguous segment ids), never the reverse.
+  """
+  qs, qe, ks, ke = q_first, q_last, kv_first, kv_last
+  vis = full = True
+  if spec.causal:
+    vis = vis & (ks <= qe)
+    full = full & (ke <= qs)
+  if spec.window is not None:
+    left, right = spec.window
+    in_band = (ks <= qe + right) & (ke >= qs - left)
+    band_full = (ks >= qe - left) & (ke <= qs + right)
+    g = spec.global_tokens
+    if g and q_info is None:  # global by position
+      in_band = in_band | (qs < g) | (ks < g)
+      band_full = band_full | (qe < g) | (ke < g)
+    elif g:  # global by document position: the flags of the encoded segment ids
+      in_band = in_band | (q_info.any_global > 0) | (kv_info.any_global > 0)
+      band_full = band_full | (q_info.all_global > 0) | (kv_info.all_global > 0)
+    vis = vis & in_band
+    full = full & band_full
+  if q_info is not None:
+    vis = vis & (q_info.lo <= kv_info.hi) & (kv_info.lo <= q_info.hi)
+    full = full & (q_info.lo == q_info.hi) & (kv_info.lo == kv_info.hi) & (q_info.lo == kv_info.lo)
+  return vis, full
+
+
 def _compact(vis):
   """Per row of ``vis [b, n, m]``: indices of True entries first (in order), then the last one repeated."""
   m = vis.shape[-1]
@@ -192,57 +250,40 @@ def _compact(vis):
   return order, count
 
 
+def block_bounds(length: int, block: int, offset=0, xp=jnp):
+  """Global (first, last) position of the real positions of each block."""
+  index = xp.arange(-(-length // block), dtype=xp.int32)
+  return offset + index * block, offset + xp.minimum((index + 1) * block, length) - 1
+
+
+def block_visibility(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSpec,
+                     q_segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0, xp=jnp):
+  """(visible, full) bool ``[b, q blocks, kv blocks]`` (b = batch with segment ids, else 1).
+
+  ``xp=numpy`` computes it while tracing (no segment ids, static offsets), so a caller can size a
+  grid from it.
+  """
+  qs, qe = block_bounds(q_len, block_q, q_offset, xp)
+  ks, ke = block_bounds(kv_len, block_kv, kv_offset, xp)
+  q_info = kv_info = None
+  if q_segment_ids is not None:
+    q_info = BlockSegments(*(x[:, :, None] for x in block_segments(q_segment_ids, q_len, block_q, spec)))
+    kv_info = BlockSegments(*(x[:, None, :] for x in block_segments(kv_segment_ids, kv_len, block_kv, spec)))
+  vis, full = tile_visibility(qs[:, None], qe[:, None], ks[None, :], ke[None, :], spec, q_info, kv_info)
+  shape = (1 if q_info is None else q_segment_ids.shape[0], qs.shape[0], ks.shape[0])
+  vis = xp.broadcast_to(vis, shape)
+  # A block holding padded tail positions needs the element mask for the tail.
+  tail = ((q_len % block_q != 0) & (xp.arange(shape[1]) == shape[1] - 1))[:, None] | (
+      (kv_len % block_kv != 0) & (xp.arange(shape[2]) == shape[2] - 1))[None, :]
+  full = xp.broadcast_to(full, shape) & vis & ~tail[None]
+  return vis, full
+
+
 def block_map(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSpec,
               q_segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0) -> BlockMap:
   """The shared block-sparsity map (see module docstring). Works on traced inputs."""
-  nq = -(-q_len // block_q)
-  nk = -(-kv_len // block_kv)
-  q_start = q_offset + jnp.arange(nq, dtype=jnp.int32) * block_q
-  q_end = q_offset + jnp.minimum((jnp.arange(nq, dtype=jnp.int32) + 1) * block_q, q_len) - 1
-  kv_start = kv_offset + jnp.arange(nk, dtype=jnp.int32) * block_kv
-  kv_end = kv_offset + jnp.minimum((jnp.arange(nk, dtype=jnp.int32) + 1) * block_kv, kv_len) - 1
-  qs, qe = q_start[:, None], q_end[:, None]
-  ks, ke = kv_start[None, :], kv_end[None, :]
-
-  vis = jnp.ones((nq, nk), dtype=bool)
-  full = jnp.ones((nq, nk), dtype=bool)
-  if spec.causal:
-    vis &= ks <= qe
-    full &= ke <= qs
-  g = spec.global_tokens if spec.window is not None else 0
-  if spec.window is not None:
-    left, right = spec.window
-    in_band = (ks <= qe + right) & (ke >= qs - left)
-    band_full = (ks >= qe - left) & (ke <= qs + right)
-    if not g:
-      vis &= in_band
-      full &= band_full
-  vis, full = vis[None], full[None]
-  if g:
-    # The window is waived for blocks holding a global query or key (any: visible; all: full).
-    if q_segment_ids is None:  # global by position
-      q_any, q_all, kv_any, kv_all = qs < g, qe < g, ks < g, ke < g
-    else:  # global by document position: the flag in the encoded ids' lowest bit
-      q_flag, kv_flag = q_segment_ids & 1, kv_segment_ids & 1
-      q_segment_ids, kv_segment_ids = q_segment_ids >> 1, kv_segment_ids >> 1
-      q_any = (-_block_ranges(-q_flag, q_len, block_q)[0] > 0)[:, :, None]  # max over real positions
-      q_all = (_block_ranges(q_flag, q_len, block_q)[0] > 0)[:, :, None]
-      kv_any = (-_block_ranges(-kv_flag, kv_len, block_kv)[0] > 0)[:, None, :]
-      kv_all = (_block_ranges(kv_flag, kv_len, block_kv)[0] > 0)[:, None, :]
-    vis = vis & (in_band[None] | q_any | kv_any)
-    full = full & (band_full[None] | q_all | kv_all)
-  if q_segment_ids is not None:
-    q_lo, q_hi = _block_ranges(q_segment_ids, q_len, block_q)
-    kv_lo, kv_hi = _block_ranges(kv_segment_ids, kv_len, block_kv)
-    overlap = (q_lo[:, :, None] <= kv_hi[:, None, :]) & (kv_lo[:, None, :] <= q_hi[:, :, None])
-    single = ((q_lo == q_hi)[:, :, None] & (kv_lo == kv_hi)[:, None, :]
-              & (q_lo[:, :, None] == kv_lo[:, None, :]))
-    vis = vis & overlap
-    full = full & single
-  # A block holding padded tail positions needs the element mask for the tail.
-  tail = ((q_len % block_q != 0) & (jnp.arange(nq) == nq - 1))[:, None] | (
-      (kv_len % block_kv != 0) & (jnp.arange(nk) == nk - 1))[None, :]
-  full = full & vis & ~tail[None]
+  vis, full = block_visibility(q_len, kv_len, block_q, block_kv, spec, q_segment_ids,
+                               kv_segment_ids, q_offset, kv_offset)
   kv_index, kv_count = _compact(vis)
   q_index, q_count = _compact(jnp.swapaxes(vis, 1, 2))
   return BlockMap(vis, full, kv_index, kv_count, q_index, q_count)

@@ -156,10 +156,17 @@ def test_float16_runs_in_float32_and_dense_masks_are_refused():
     dispatch.resolve("flash_pallas", request, "tpu")
 
 
-def test_block_plans_larger_than_smem_are_refused():
+def test_block_plans_grow_linearly_and_oversized_ones_are_refused():
+  # 262,144 tokens, causal + packed documents: 2 words per q block and 4 per block of segment ids.
   q = jax.ShapeDtypeStruct((1, 262144, 1, 64), jnp.bfloat16)
-  too_big, _ = dispatch.prepare(q, q, q, causal=True)  # 512 x 512 generic tiles: 512^2 plan entries
-  assert "block plan of 262144 tiles" in tpu.unsupported(too_big)
+  seg = np.repeat(np.arange(32, dtype=np.int32), 8192)[None]  # 32 documents of 8,192 tokens
+  served, _ = dispatch.prepare(q, q, q, causal=True, segment_ids=seg)
+  assert tpu.unsupported(served) is None
+  assert tpu._plan_words(served, (512, 512)) == 2 * 512 + 4 * (512 + 512)
+  # 2^26 tokens at 512-token tiles: 2 x 131,072 plan words, more than SMEM's share.
+  q = jax.ShapeDtypeStruct((1, 2**26, 1, 64), jnp.bfloat16)
+  too_big, _ = dispatch.prepare(q, q, q, causal=True)
+  assert "block plan of 262144 int32 words" in tpu.unsupported(too_big)
   assert dispatch.resolve("auto", too_big, "tpu")[0] == "xla_chunked"
   larger_tiles, _ = dispatch.prepare(q, q, q, causal=True, block_sizes=fl.BlockSizes(1024, 1024))
   assert tpu.unsupported(larger_tiles) is None

@@ -67,6 +67,13 @@ class FlashPallas:
                              block_q, block_kv, request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset)
 
+  def grid_steps(self, request: Request, args: Args, platform: str) -> int | None:
+    """Grid steps of the forward kernel over batch and heads (TPU family: its grid holds only
+    the visible ranges; the GPU family loops over kv blocks inside each program: None)."""
+    family, _ = family_for(platform)
+    steps = getattr(_family(family), "grid_steps", None)
+    return None if steps is None else steps(request, args)
+
   def attend(self, q, k, v, *, request: Request, args: Args):
     forced = lowering.interpreting()
 

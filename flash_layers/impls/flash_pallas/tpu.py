@@ -119,22 +119,25 @@ def unsupported(request: Request) -> str | None:
     return "dense mask"
   if request.has_bias:
     return "dense bias"
-  plan = max(_plan_entries(request, blocks) for blocks in _blocks(request))
-  if plan > MAX_PLAN_ENTRIES:
-    return (f"a block plan of {plan} tiles (SMEM holds {MAX_PLAN_ENTRIES}; use larger block_sizes, "
-            "shorter rows or ring attention)")
+  words = max(_plan_words(request, blocks) for blocks in _blocks(request))
+  if words > MAX_PLAN_WORDS:
+    return (f"a block plan of {words} int32 words (SMEM holds {MAX_PLAN_WORDS}; use larger "
+            "block_sizes, fewer rows or ring attention)")
   return None
 
 
-# The block plan is scalar-prefetched into SMEM (1 MiB on v5e: 2^18 int32 words, some taken by
-# Mosaic itself); half of it keeps a margin. 2^17 entries are e.g. 181k tokens at 512 x 512 tiles,
-# or batch 32 x 32k tokens with segment ids.
-MAX_PLAN_ENTRIES = 2**17
+# The plan and tile tables are scalar-prefetched into SMEM (1 MiB on v5e: 2^18 int32 words, some
+# taken by Mosaic itself); half of it keeps a margin. Both grow linearly with the length: one
+# token row of 2^20 tokens at 512-token blocks takes 2 x 2,048 plan words, with segment ids
+# 4 x 4,096 more.
+MAX_PLAN_WORDS = 2**17
 
 
-def _plan_entries(request: Request, blocks: tuple[int, int]) -> int:
+def _plan_words(request: Request, blocks: tuple[int, int]) -> int:
+  num_q, num_kv = -(-request.q_len // blocks[0]), -(-request.kv_len // blocks[1])
   rows = request.batch if request.has_segment_ids else 1
-  return rows * -(-request.q_len // blocks[0]) * -(-request.kv_len // blocks[1])
+  tiles = 4 * request.batch * (num_q + num_kv) if request.has_segment_ids else 0
+  return 2 * rows * max(num_q, num_kv) + tiles
 
 
 def block_shape(request: Request, platform: str) -> tuple[int, int]:
@@ -166,6 +169,31 @@ class _TpuCall:
     return self.alibi or self.dropout_rate > 0
 
 
+def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
+  fwd, bwd = _blocks(request)
+  offsets_static = None  # python ints are known while tracing; traced offsets only at run time
+  if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
+    offsets_static = (int(args.q_offset), int(args.kv_offset))
+  return _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
+                  request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
+                  offsets_static, interpret, request.num_heads, request.has_alibi,
+                  request.dropout_rate)
+
+
+def grid_steps(request: Request, args: Args) -> int | None:
+  """Grid steps the forward kernel runs, over batch and heads (None when segment ids or
+  offsets are traced: the grid is then sized at run time)."""
+  if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids,
+                                                  args.q_offset, args.kv_offset)):
+    return None
+  cfg = _config(request, args, interpret=True)
+  offsets = jnp.asarray([args.q_offset, args.kv_offset], jnp.int32)
+  row_steps, _ = _plan(cfg, cfg.fwd, args.q_segment_ids, args.kv_segment_ids, offsets,
+                       kv_major=False)
+  row_steps = np.asarray(row_steps)
+  return request.batch * request.num_heads * row_steps.shape[-1] * int(row_steps.max())
+
+
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv], lse [b, h, q] float32) by the Mosaic kernels."""
   fwd, bwd = _blocks(request)
@@ -174,12 +202,7 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
     out, lse = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                                request=request, args=args, interpret=interpret)
     return out.astype(q.dtype), lse
-  offsets_static = None  # python ints are known while tracing; traced offsets only at run time
-  if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
-    offsets_static = (int(args.q_offset), int(args.kv_offset))
-  cfg = _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
-                 request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
-                 offsets_static, interpret, request.num_heads, request.has_alibi, request.dropout_rate)
+  cfg = _config(request, args, interpret)
   q_pad = round_up(request.q_len, math.lcm(fwd[0], bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(fwd[1], bwd[1]))
 
@@ -233,51 +256,104 @@ class _Step(NamedTuple):
   head: jax.Array
   q_block: jax.Array
   kv_block: jax.Array
-  full: jax.Array     # every pair of the tile is visible: no element mask
-  visited: jax.Array  # step < count: a visible block (else a skipped step)
-  first: jax.Array    # first step of the accumulation (initialize the scratch)
+  full: jax.Array     # every pair of the tile is visible: no element mask (may be a Python bool)
+  visited: jax.Array  # a step of the row's range whose tile holds a visible pair (else skipped)
+  first: jax.Array    # first step of an accumulation (initialize the scratch)
   last: jax.Array     # last step (write the output block)
+
+
+class _Where(NamedTuple):
+  """Where one grid step is (computed from the grid indices and the plan, in SMEM)."""
+
+  batch: jax.Array
+  q_head: jax.Array
+  kv_head: jax.Array
+  q_block: jax.Array
+  kv_block: jax.Array
+  in_range: jax.Array  # inside the visible range of its outer block (else a padding step)
+  first: jax.Array     # first step of its outer block
+  switch: jax.Array    # last step of the row's first outer block, when a second one follows
 
 
 @dataclasses.dataclass(frozen=True)
 class _Grid:
-  """One kernel's grid, and the BlockSpecs that follow the block map's plan.
+  """One kernel's grid: only the tiles in each block's visible range, two blocks per row.
 
-  q-major (forward, dQ): (batch, heads, q blocks, kv steps); step s of q block i visits kv
-    block plan[i, s]. GQA: query head h reads kv head h // group straight from HBM.
-  kv-major (dK/dV): (batch, kv heads, kv blocks, heads of the group, q steps); step s of kv
-    block j visits q block plan[j, s], for each query head sharing the kv head.
-  The first three axes are "parallel"; the rest accumulate into VMEM scratch, "arbitrary".
+  q-major (forward, dQ): (batch, heads, rows, steps). The *outer* blocks are q blocks; each has
+    a range of visible kv blocks, [lo, lo + count), from the mask (`masks.block_visibility`).
+  kv-major (dK/dV): (batch, kv heads, rows, steps, heads of the group): outer blocks are kv
+    blocks, ranges of q blocks; every query head of the group is accumulated into the same
+    resident dK/dV tile (K/V are never repeated for GQA).
 
-  plan[row, step] = 2 * block + full (a flat int32 table in SMEM, scalar-prefetched), with
-  ``row`` = (batch if segment ids else 0, outer block). The index maps read it, so a skipped step
-  (step >= count[row]) names the same block as the step before and Pallas fetches nothing.
+  Row r holds outer block r and then outer block n - 1 - r, so a causal triangle becomes a
+  rectangle: q block i sees i + 1 kv blocks and q block n - 1 - i sees n - i, n + 1 steps per
+  row for every row, the grid is exactly the visible tiles. ``steps`` is the widest row (a
+  Python int when the mask is known while tracing; otherwise a traced scalar: a dynamic grid
+  bound, computed from the segment ids). Steps past a row's end, and tiles inside a range that
+  hold no visible pair, repeat the previous block index (no DMA) and skip the compute.
+
+  The plan is linear in the length: per (batch row if segment ids, outer block) the pair
+  (lo, count), int32, flat in SMEM. Whether a tile is visible, and fully visible (no element
+  mask), is decided in the kernel by `masks.tile_visibility` on SMEM scalars: the offsets, and
+  with segment ids each block's segment range and global-token flags (4 words per block).
+  The first three grid axes are "parallel"; the rest accumulate in VMEM scratch, "arbitrary".
   """
 
   kv_major: bool
   has_segments: bool
-  shape: tuple[int, ...]
+  batch: int
+  heads: int
   group: int
+  num_q: int
+  num_kv: int
   block_q: int
   block_kv: int
 
-  def locate(self, ids, plan_ref):
-    """(batch, query head, kv head, q block, kv block, row, plan entry) of grid point `ids`."""
-    rows, steps = self.shape[2], self.shape[-1]
-    batch, outer, block, step = ids[0], ids[1], ids[2], ids[-1]
-    row = (batch if self.has_segments else 0) * rows + block
-    entry = plan_ref[row * steps + step]
-    # >> 1, not // 2: signed division lowers to `sign`, whose Mosaic rule asks for the local
-    # TPU's generation (there is none when compiling ahead of time on a CPU host).
-    visits = entry >> 1
+  @property
+  def num_outer(self) -> int:
+    return self.num_kv if self.kv_major else self.num_q
+
+  @property
+  def rows(self) -> int:
+    return -(-self.num_outer // 2)
+
+  def shape(self, steps) -> tuple:
     if self.kv_major:
-      return batch, outer * self.group + ids[3], outer, visits, block, row, entry
-    return batch, outer, jax.lax.div(outer, self.group), block, visits, row, entry
+      return (self.batch, self.heads // self.group, self.rows, steps, self.group)
+    return (self.batch, self.heads, self.rows, steps)
+
+  @property
+  def ndim(self) -> int:
+    return 5 if self.kv_major else 4
+
+  def locate(self, ids, plan_ref) -> _Where:
+    """Where grid point `ids` is. Plain scalar arithmetic: it runs in the index maps too."""
+    batch, outer_head, row, step = ids[0], ids[1], ids[2], ids[3]
+    base = (batch if self.has_segments else 0) * self.num_outer
+    a, b = row, self.num_outer - 1 - row  # the row's two outer blocks (one for the middle row)
+    has_b = b > a
+    lo_a, count_a = plan_ref[2 * (base + a)], plan_ref[2 * (base + a) + 1]
+    lo_b, count_b = plan_ref[2 * (base + b)], plan_ref[2 * (base + b) + 1]
+    # Every outer block takes at least one step, even with nothing visible: its output (zeros,
+    # lse -inf; or zero dK/dV) is written there.
+    steps_a = jnp.maximum(count_a, 1)
+    on_b = has_b & (step >= steps_a)
+    outer = jnp.where(on_b, b, a)
+    inner = jnp.where(on_b, lo_b + jnp.minimum(step - steps_a, jnp.maximum(count_b, 1) - 1),
+                      lo_a + jnp.minimum(step, steps_a - 1))
+    in_range = jnp.where(on_b, step - steps_a < count_b, step < count_a)
+    first = (step == 0) | (on_b & (step == steps_a))
+    switch = has_b & (step == steps_a - 1)
+    if self.kv_major:
+      q_head = outer_head * self.group + ids[4]
+      return _Where(batch, q_head, outer_head, inner, outer, in_range, first, switch)
+    return _Where(batch, outer_head, jax.lax.div(outer_head, self.group), outer, inner, in_range,
+                  first, switch)
 
   def _spec(self, block_shape, pick):
-    def index_map(*args):  # the grid indices, then the scalar-prefetch refs (offsets, plan, count)
-      where = self.locate(args[:len(self.shape)], args[len(self.shape) + 1])
-      return pick(*where[:5])
+    def index_map(*args):  # the grid indices, then the scalar-prefetch refs (offsets, plan, tiles)
+      w = self.locate(args[:self.ndim], args[self.ndim + 1])
+      return pick(w.batch, w.q_head, w.kv_head, w.q_block, w.kv_block)
     return pl.BlockSpec(block_shape, index_map)
 
   def q_tile(self, width):  # q, dO, out, dQ: [b, h, q_pad, width]
@@ -293,45 +369,106 @@ class _Grid:
     return [self._spec((None, 1, self.block_q), lambda b, h, kh, qb, kb: (b, 0, qb)),
             self._spec((None, 1, self.block_kv), lambda b, h, kh, qb, kb: (b, 0, kb))]
 
-  def step(self, plan_ref, count_ref) -> _Step:
-    """Inside a kernel: where this grid step is."""
-    ids = [pl.program_id(axis) for axis in range(len(self.shape))]
-    batch, head, _, q_block, kv_block, row, entry = self.locate(ids, plan_ref)
-    first = last = True
-    for axis in range(3, len(self.shape)):
-      first = first & (ids[axis] == 0)
-      last = last & (ids[axis] == self.shape[axis] - 1)
-    return _Step(batch, head, q_block, kv_block, (entry & 1) == 1, ids[-1] < count_ref[row], first, last)
+  def _tile_visibility(self, cfg: _TpuCall, offsets_ref, tiles_ref, w: _Where):
+    """(visible, full) of this step's tile, from SMEM scalars (`masks.tile_visibility`)."""
+    bq, bk = self.block_q, self.block_kv
+    q_first = offsets_ref[0] + w.q_block * bq
+    q_last = offsets_ref[0] + jnp.minimum(w.q_block * bq + bq, cfg.q_len) - 1
+    kv_first = offsets_ref[1] + w.kv_block * bk
+    kv_last = offsets_ref[1] + jnp.minimum(w.kv_block * bk + bk, cfg.kv_len) - 1
+    q_info = kv_info = None
+    if self.has_segments:  # 4 words per block: segment lo, hi, any global, all global
+      at = (w.batch * self.num_q + w.q_block) * 4
+      q_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
+      at = (self.batch * self.num_q + w.batch * self.num_kv + w.kv_block) * 4
+      kv_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
+    visible, full = masks.tile_visibility(q_first, q_last, kv_first, kv_last, cfg.spec, q_info,
+                                          kv_info)
+    # A tile holding padded tail positions needs the element mask for the tail.
+    if cfg.q_len % bq:
+      full = full & (w.q_block != self.num_q - 1)
+    if cfg.kv_len % bk:
+      full = full & (w.kv_block != self.num_kv - 1)
+    return visible, full
+
+  def step(self, cfg: _TpuCall, offsets_ref, plan_ref, tiles_ref) -> _Step:
+    """Inside a kernel: where this grid step is and what it does."""
+    ids = [pl.program_id(axis) for axis in range(self.ndim)]
+    w = self.locate(ids, plan_ref)
+    visible, full = self._tile_visibility(cfg, offsets_ref, tiles_ref, w)
+    first = w.first
+    last = w.switch | (ids[3] == pl.num_programs(3) - 1)
+    if self.kv_major:  # the group's heads are the innermost axis
+      first = first & (ids[4] == 0)
+      last = last & (ids[4] == self.group - 1)
+    return _Step(w.batch, w.q_head, w.q_block, w.kv_block, full, w.in_range & visible, first, last)
+
+
+def _row_ranges(visible, xp):
+  """Per outer block (the rows of ``visible [b, outer, inner]``): the first visible inner block
+  and the length of the range up to the last visible one (0 when none is visible)."""
+  n = visible.shape[-1]
+  lo = xp.argmax(visible, axis=-1)
+  hi = n - 1 - xp.argmax(visible[..., ::-1], axis=-1)
+  count = xp.where(visible.any(axis=-1), hi - lo + 1, 0)
+  return lo.astype(xp.int32), count.astype(xp.int32)
+
+
+def _row_steps(count, xp):
+  """Grid steps per row: outer blocks r and n - 1 - r paired (at least one step each)."""
+  n = count.shape[-1]
+  steps = xp.maximum(count, 1)
+  rows = -(-n // 2)
+  paired = xp.arange(rows) < n - 1 - xp.arange(rows)
+  return steps[..., :rows] + xp.where(paired, steps[..., ::-1][..., :rows], 0)
+
+
+def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool):
+  """(steps per row, flat plan table) for one kernel's tiles.
+
+  With no segment ids and offsets known while tracing, the plan is NumPy and the grid is static;
+  otherwise plain JAX, and the number of steps a traced scalar.
+  """
+  block_q, block_kv = blocks
+  if not cfg.has_segments and cfg.static_offsets is not None:
+    xp, seg, offs = np, (None, None), cfg.static_offsets
+  else:
+    xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[0], offsets[1])
+  visible, _ = masks.block_visibility(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, *seg,
+                                      *offs, xp=xp)
+  if kv_major:
+    visible = xp.swapaxes(visible, 1, 2)
+  lo, count = _row_ranges(visible, xp)
+  plan = xp.stack([lo, count], axis=-1).reshape(-1).astype(xp.int32)
+  return _row_steps(count, xp), plan
 
 
 def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool):
-  """The block map for these tiles (`masks.block_map`, plain JAX), as a grid and its SMEM tables."""
+  """The grid of one kernel, its number of steps per row and its SMEM tables (plan, tiles)."""
   block_q, block_kv = blocks
-  bm = masks.block_map(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, q_seg, kv_seg,
-                       offsets[0], offsets[1])
-  num_q, num_kv = bm.visible.shape[1:]
-  batch, heads, kv_heads = q.shape[0], q.shape[1], k.shape[1]
-  if kv_major:
-    index, full, count = bm.q_index, jnp.swapaxes(bm.full, 1, 2), bm.q_count
-    shape = (batch, kv_heads, num_kv, heads // kv_heads, num_q)
+  row_steps, plan = _plan(cfg, blocks, q_seg, kv_seg, offsets, kv_major=kv_major)
+  steps = row_steps.max()
+  steps = int(steps) if not isinstance(steps, jax.core.Tracer) else steps.astype(jnp.int32)
+  if cfg.has_segments:
+    tiles = jnp.concatenate([
+        jnp.stack(masks.block_segments(q_seg, cfg.q_len, block_q, cfg.spec), -1).reshape(-1),
+        jnp.stack(masks.block_segments(kv_seg, cfg.kv_len, block_kv, cfg.spec), -1).reshape(-1)])
   else:
-    index, full, count = bm.kv_index, bm.full, bm.kv_count
-    shape = (batch, heads, num_q, num_kv)
-  full_at = jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)
-  plan = (2 * index + full_at).reshape(-1)  # flat 1-D tables keep SMEM padding small
-  grid = _Grid(kv_major, cfg.has_segments, shape, heads // kv_heads, block_q, block_kv)
-  return grid, plan, count.reshape(-1)
+    tiles = jnp.zeros((1,), jnp.int32)
+  grid = _Grid(kv_major, cfg.has_segments, q.shape[0], q.shape[1], q.shape[1] // k.shape[1],
+               -(-cfg.q_len // block_q), -(-cfg.kv_len // block_kv), block_q, block_kv)
+  return grid, steps, (jnp.asarray(plan), tiles.astype(jnp.int32))
 
 
-def _call(kernel, name: str, cfg: _TpuCall, grid: _Grid, tables, inputs, in_specs, out_shape,
-          out_specs, scratch, cost):
+def _call(kernel, name: str, cfg: _TpuCall, grid: _Grid, steps, tables, inputs, in_specs,
+          out_shape, out_specs, scratch, cost):
   return pl.pallas_call(
       functools.partial(kernel, cfg=cfg, grid=grid),
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=len(tables), grid=grid.shape, in_specs=in_specs, out_specs=out_specs,
-          scratch_shapes=scratch),
+          num_scalar_prefetch=len(tables), grid=grid.shape(steps), in_specs=in_specs,
+          out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape, compiler_params=_compiler_params(
-          ("parallel",) * 3 + ("arbitrary",) * (len(grid.shape) - 3)),
+          ("parallel",) * 3 + ("arbitrary",) * (grid.ndim - 3)),
       cost_estimate=cost, interpret=_interpret_arg(cfg.interpret), name=name,
   )(*tables, *inputs)
 
@@ -390,6 +527,9 @@ def _dropout(cfg: _TpuCall, offsets_ref, step: _Step, tile: _Tile | None):
 
 def _when_visited(step: _Step, update):
   """Skipping rule: compute only visible blocks; mask element-wise only the partial ones."""
+  if isinstance(step.full, bool):  # decided while tracing (e.g. causal only: never full and...)
+    pl.when(step.visited)(lambda: update(masked=not step.full))
+    return
   pl.when(step.visited & step.full)(lambda: update(masked=False))
   pl.when(step.visited & ~step.full)(lambda: update(masked=True))
 
@@ -424,7 +564,7 @@ def _nbytes(*arrays):
 # Forward
 # ----------------------------------------------------------------------------
 
-def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Grid):
+def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_seg_scr = refs
   else:
@@ -433,7 +573,7 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid
   # l_scr [bq, 128]: running sum of exp(logit - m) over those logits (lane-replicated).
   # acc_scr [bq, dv]: running sum of exp(logit - m) * v, rescaled whenever m grows.
   # q_seg_scr [bq, 128]: this q block's segment ids as a column (made once per q block).
-  step = grid.step(plan_ref, count_ref)
+  step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
 
   @pl.when(step.first)
   def _init():
@@ -482,7 +622,7 @@ def _forward_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid
 def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   b, h, q_pad, d = q.shape
   kv_pad, dv = k.shape[2], v.shape[3]
-  grid, plan, count = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
+  grid, steps, tables = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
   block_q = grid.block_q
   inputs, in_specs = [q, k, v], [grid.q_tile(d), grid.kv_tile(d), grid.kv_tile(dv)]
   scratch = [pltpu.VMEM((block_q, LANES), jnp.float32), pltpu.VMEM((block_q, LANES), jnp.float32),
@@ -494,8 +634,8 @@ def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   out_shape = [jax.ShapeDtypeStruct((b, h, q_pad, dv), q.dtype),
                jax.ShapeDtypeStruct((b, h, 1, q_pad), jnp.float32)]
   cost = _cost(cfg, b, h, 2 * cfg.head_dim + 2 * cfg.head_dim_v,
-               _nbytes(q, *out_shape) + _nbytes(k, v) * grid.shape[2])
-  return _call(_forward_kernel, "flash_layers_fwd", cfg, grid, (offsets, plan, count), inputs,
+               _nbytes(q, *out_shape) + _nbytes(k, v) * grid.num_outer)
+  return _call(_forward_kernel, "flash_layers_fwd", cfg, grid, steps, (offsets, *tables), inputs,
                in_specs, out_shape, [grid.q_tile(dv), grid.q_row()], scratch, cost)
 
 
@@ -503,7 +643,7 @@ def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
 # Backward
 # ----------------------------------------------------------------------------
 
-def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Grid):
+def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref,
      dk_scr, dv_scr, kv_seg_scr) = refs
@@ -512,7 +652,7 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _G
   # dk_scr [bk, d], dv_scr [bk, dv]: float32 sums over every (query head of the group, q block)
   # that sees this kv block. kv_seg_scr [bk, 128]: this kv block's segment ids as a column.
   # Tiles are transposed ([kv, q]) so the per-query rows lse and D broadcast along sublanes.
-  step = grid.step(plan_ref, count_ref)
+  step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
 
   @pl.when(step.first)
   def _init():
@@ -553,7 +693,7 @@ def _dkv_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _G
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Grid):
+def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
      dq_scr, lse_scr, delta_scr, q_seg_scr) = refs
@@ -561,7 +701,7 @@ def _dq_kernel(offsets_ref, plan_ref, count_ref, *refs, cfg: _TpuCall, grid: _Gr
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, lse_scr, delta_scr = refs
   # dq_scr [bq, d]: float32 sum over the visible kv blocks. lse_scr, delta_scr, q_seg_scr
   # [bq, 128]: this q block's lse, D and segment ids as columns (made once per q block).
-  step = grid.step(plan_ref, count_ref)
+  step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
 
   @pl.when(step.first)
   def _init():
@@ -610,26 +750,26 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
             grid.q_row(), *(grid.segment_rows() if cfg.has_segments else [])]
 
   inputs = [q, k, v, do, lse, delta, *seg_inputs]
-  grid, plan, count = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=True)
+  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=True)
   block_q, block_kv = grid.block_q, grid.block_kv
   dk_dv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   dk, dv_ = _call(
-      _dkv_kernel, "flash_layers_bwd_dkv", cfg, grid, (offsets, plan, count), inputs, specs(grid),
+      _dkv_kernel, "flash_layers_bwd_dkv", cfg, grid, steps, (offsets, *tables), inputs, specs(grid),
       dk_dv_shape, [grid.kv_tile(d), grid.kv_tile(dv)],
       [vmem((block_kv, d)), vmem((block_kv, dv)),
        *([pltpu.VMEM((block_kv, LANES), jnp.int32)] if cfg.has_segments else [])],
       _cost(cfg, b, h, 4 * cfg.head_dim + 4 * cfg.head_dim_v,
-            _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * grid.shape[2]))
+            _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * grid.num_outer))
 
-  grid, plan, count = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
+  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
   dq = _call(
-      _dq_kernel, "flash_layers_bwd_dq", cfg, grid, (offsets, plan, count), inputs, specs(grid),
+      _dq_kernel, "flash_layers_bwd_dq", cfg, grid, steps, (offsets, *tables), inputs, specs(grid),
       dq_shape, grid.q_tile(d),
       [vmem((block_q, d)), vmem((block_q, LANES)), vmem((block_q, LANES)),
        *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
       _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
-            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * grid.shape[2]))
+            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * grid.num_outer))
   return dq, dk, dv_
 
 
