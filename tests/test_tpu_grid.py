@@ -74,8 +74,8 @@ def _evaluate(jaxpr, consts, args, grids):
   def read(var):
     return var.val if isinstance(var, jex_core.Literal) else env[var]
 
-  env.update(zip(jaxpr.constvars, consts))
-  env.update(zip(jaxpr.invars, args))
+  env.update(zip(jaxpr.constvars, consts, strict=True))
+  env.update(zip(jaxpr.invars, args, strict=True))
   for eqn in jaxpr.eqns:
     values = [read(v) for v in eqn.invars]
     name = eqn.primitive.name
@@ -94,7 +94,7 @@ def _evaluate(jaxpr, consts, args, grids):
     else:
       outs = eqn.primitive.bind(*values, **eqn.params)
       outs = outs if eqn.primitive.multiple_results else [outs]
-    env.update(zip(eqn.outvars, outs))
+    env.update(zip(eqn.outvars, outs, strict=True))
   return [read(v) for v in jaxpr.outvars]
 
 
