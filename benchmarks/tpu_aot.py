@@ -24,7 +24,7 @@ def _parse(argv):
   parser = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--generation", default="v5e", choices=sorted(TOPOLOGIES))
-  add_problem_args(parser, heads=12, head_dim=64, masks=("causal", "full", "packed"))
+  add_problem_args(parser, heads=12, head_dim=64, masks=("causal", "full", "packed", "causal+packed"))
   return parser.parse_args(argv)
 
 
@@ -66,11 +66,11 @@ def compile_step(args) -> dict:
   q = jax.ShapeDtypeStruct((args.batch, args.seq_len, args.heads, args.head_dim), dtype, sharding=placed)
   kv = jax.ShapeDtypeStruct((args.batch, args.seq_len, kv_heads, args.head_dim), dtype, sharding=placed)
   seg = jax.ShapeDtypeStruct((args.batch, args.seq_len), jnp.int32, sharding=placed)
-  causal = args.mask == "causal"
+  causal = "causal" in args.mask
 
   def loss(q, k, v, segment_ids):
     out = fl.attention(q, k, v, impl=args.impl, causal=causal,
-                       segment_ids=segment_ids if args.mask == "packed" else None)
+                       segment_ids=segment_ids if "packed" in args.mask else None)
     return jnp.sum(out.astype(jnp.float32))
 
   with jax.sharding.set_mesh(jax.sharding.Mesh([device], ("chip",))):

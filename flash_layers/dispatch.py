@@ -297,3 +297,31 @@ def attend(query, key, value, *, impl: str, request: Request, args: Args):
   branches = {p: (lambda q, k, v, n=n: _run(n, q, k, v, request, args))
               for p, n in choices.items()}
   return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
+
+
+def _run_backward(name: str, query, key, value, lse, delta, d_out, request: Request, args: Args):
+  impl = REGISTRY[name]
+  # Impls without a backward of their own (reference, xla_native: dense anyway) use xla_dense's:
+  # plain XLA from the same statistics.
+  backward = getattr(impl, "attention_backward", None) or REGISTRY["xla_dense"].attention_backward
+  with jax.named_scope(f"flash_layers.{name}.backward"):
+    return backward(query, key, value, lse, delta, d_out, request=request, args=args)
+
+
+def attend_backward(query, key, value, lse, delta, d_out, *, impl: str, request: Request,
+                    args: Args):
+  """(dq, dk, dv) of an already-validated request from given row statistics, without running
+  its forward: ``lse [b, h, q]`` the softmax normaliser and ``delta [b, h, q]`` =
+  rowsum(dO * O) - dlse of the whole output the rows belong to. Ring attention passes the
+  global ones: each (q shard, kv shard) pair then yields its exact share of the gradients.
+  """
+  here = lowering.default_platform()
+  name = resolve(impl, request, here)[0]
+  if impl != AUTO:
+    return _run_backward(name, query, key, value, lse, delta, d_out, request, args)
+  choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
+  if len(set(choices.values())) == 1:
+    return _run_backward(name, query, key, value, lse, delta, d_out, request, args)
+  branches = {p: (lambda q, k, v, n=n: _run_backward(n, q, k, v, lse, delta, d_out, request, args))
+              for p, n in choices.items()}
+  return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)

@@ -176,6 +176,40 @@ def check_hlo(length=1536):
     emit(check="hlo", impl=impl, ops=ops, full_length_shapes=full[:10], temp_bytes=temp)
 
 
+def _kernel_calls(jaxpr, counts):
+  """Counts pallas_calls by name in a jaxpr and every jaxpr nested in it."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = eqn.params.get("name") or eqn.params.get("name_and_src_info")
+      name = name if isinstance(name, str) else name.name
+      counts[name] = counts.get(name, 0) + 1
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (list, tuple)) else [param]:
+        sub = getattr(sub, "jaxpr", sub)
+        if hasattr(sub, "eqns"):
+          _kernel_calls(sub, counts)
+  return counts
+
+
+def check_ring_kernels(shape=(2, 1, 1, 4)):
+  """The pallas_calls in the jaxprs of a ring's forward and value_and_grad (TPU kernels)."""
+  mesh = parallel.make_mesh(*shape)
+  for case in ("window_mqa", "causal_packed_gqa"):  # contiguous and zig-zag layouts
+    q, k, v, kwargs = problem(case, batch=2)
+    arrays = arrays_of(kwargs)
+
+    def loss(q, k, v, arrays, kwargs=kwargs):
+      out = fl.attention(q, k, v, impl="flash_pallas", mesh=mesh, **{**kwargs, **arrays})
+      return jnp.sum(out ** 2)
+
+    with fl.interpret_as("tpu"):
+      forward = _kernel_calls(jax.make_jaxpr(loss)(q, k, v, arrays).jaxpr, {})
+      both = _kernel_calls(jax.make_jaxpr(jax.value_and_grad(loss, argnums=(0, 1, 2)))(
+          q, k, v, arrays).jaxpr, {})
+    emit(check="ring_kernels", case=case, forward=forward, value_and_grad=both)
+
+
 def check_layer():
   """fl.MultiHeadAttention with a mesh (given, or current) against the same params unsharded."""
   import flax.linen as nn
@@ -239,6 +273,8 @@ if __name__ == "__main__":
         check_layer()
       elif check == "gpu":
         check_gpu_kernels()
+      elif check == "ring_kernels":
+        check_ring_kernels()
       elif check == "meshes":
         check_meshes(sys.argv[2].split(","))
       else:

@@ -105,6 +105,20 @@ def test_ring_with_gpu_kernels_interpreted():
   assert all(err <= F32_TOL for err in result["errors"].values()), result
 
 
+def test_ring_backward_runs_no_forward_kernel():
+  """The ring's backward calls the backward kernels with the global lse and D: value_and_grad
+  holds the forward's kernel calls and no more (one in the contiguous layout, one per chunk
+  pair in the zig-zag one)."""
+  results = {r["case"]: r for r in _run(["ring_kernels"]) if r["check"] == "ring_kernels"}
+  assert results["window_mqa"]["forward"] == {"flash_layers_fwd": 1}
+  assert results["window_mqa"]["value_and_grad"] == {
+      "flash_layers_fwd": 1, "flash_layers_bwd_dkv": 1, "flash_layers_bwd_dq": 1}
+  zigzag = results["causal_packed_gqa"]
+  assert zigzag["forward"] == {"flash_layers_fwd": 4}  # 2 x 2 chunk pairs per step
+  assert zigzag["value_and_grad"] == {
+      "flash_layers_fwd": 4, "flash_layers_bwd_dkv": 4, "flash_layers_bwd_dq": 4}
+
+
 def test_flax_layer_shards_over_its_mesh_or_the_current_one():
   results = {r["mesh"]: r for r in _run(["layer"]) if r["check"] == "layer"}
   assert set(results) == {"given", "current"}

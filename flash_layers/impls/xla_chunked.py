@@ -343,6 +343,44 @@ class XlaChunked:
 
   def attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, d = q.shape
+    dv = v.shape[3]
+    st, (qc, kc, vc), q_seg, kv_seg, bm, extras = self._layout(q, k, v, request, args)
+    out, lse = _chunked(st, qc, kc, vc, q_seg, kv_seg, bm.kv_index, bm.kv_count, extras)
+    # [b, nq, kvh, g, bq, dv] -> [b, t, h, dv]; lse [b, nq, kvh, g, bq] -> [b, h, t].
+    tp = out.shape[1] * st.block_q
+    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, dv)[:, :t].astype(q.dtype)
+    lse = lse.transpose(0, 2, 3, 1, 4).reshape(b, h, tp)[:, :, :t]
+    return out, lse
+
+  def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
+    """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]``: the chunked backward
+    alone (each visited chunk's probabilities from lse), no forward."""
+    b, t, h, d = q.shape
+    s, kvh = k.shape[1], k.shape[2]
+    st, (qc, kc, vc), q_seg, kv_seg, bm, extras = self._layout(q, k, v, request, args)
+    nq, bq, g = qc.shape[1], st.block_q, h // kvh
+    tp = nq * bq
+
+    def rows(x, fill):  # [b, h, t] -> [b, nq, kvh, g, bq]
+      x = pad_to(x.astype(jnp.float32), 2, tp, fill)
+      return x.reshape(b, kvh, g, nq, bq).transpose(0, 3, 1, 2, 4)
+
+    dout = pad_to(d_out.astype(jnp.float32), 1, tp)
+    dout = dout.reshape(b, nq, bq, kvh, g, -1).transpose(0, 1, 3, 4, 2, 5)
+    arrays, axes = _row_inputs(q_seg, kv_seg, bm.kv_index, bm.kv_count, extras)
+    bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
+    dq, dk, dv, _ = bwd(st, qc, kc, vc, *arrays, jnp.arange(b, dtype=jnp.int32),
+                        rows(lse, -jnp.inf), rows(delta, 0.0), dout)
+    dq = dq.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, d)[:, :t]
+    sp = dk.shape[1] * st.block_kv
+    dk = dk.transpose(0, 1, 3, 2, 4).reshape(b, sp, kvh, d)[:, :s]
+    dv = dv.transpose(0, 1, 3, 2, 4).reshape(b, sp, kvh, -1)[:, :s]
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+  def _layout(self, q, k, v, request: Request, args: Args):
+    """The chunked layout of one call: (static config, (q, k, v) chunks, segment chunks, block
+    map, extras)."""
+    b, t, h, d = q.shape
     s, kvh, dv = k.shape[1], k.shape[2], v.shape[3]
     g = h // kvh
     bq, bk = self.chunk_shape(request)
@@ -377,10 +415,5 @@ class XlaChunked:
     ints = jnp.stack([jnp.asarray(x, jnp.int32) for x in (
         args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)] + [seed[0], seed[1]])
     extras = _Extras(dense, bias, slopes, ints)
-
-    out, lse = _chunked(st, qc, kc, vc, q_seg, kv_seg, bm.kv_index, bm.kv_count, extras)
-    # [b, nq, kvh, g, bq, dv] -> [b, t, h, dv]; lse [b, nq, kvh, g, bq] -> [b, h, t].
-    out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, dv)[:, :t].astype(q.dtype)
-    lse = lse.transpose(0, 2, 3, 1, 4).reshape(b, h, tp)[:, :, :t]
-    return out, lse
+    return st, (qc, kc, vc), q_seg, kv_seg, bm, extras
 

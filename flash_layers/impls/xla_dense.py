@@ -66,9 +66,8 @@ def _dense(st, q, k, v, mask, extra, keep):
   return _dense_fwd(st, q, k, v, mask, extra, keep)[0]
 
 
-def _dense_fwd(st, q, k, v, mask, extra, keep):
-  """q [b, t, kvh, (g), d] float32, k/v [b, s, kvh, d|dv]; mask and keep None or bool, extra None or
-  float32, each broadcastable to the logits [b, kvh, (g), t, s]."""
+def _logits(st, q, k, mask, extra):
+  """(scale * q, the masked (capped) logits [b, kvh, (g), t, s], tanh of the softcap or None)."""
   q = q * st.scale
   s = _einsum(st, "btkgd,bskd->bkgts", q, k)
   if extra is not None:
@@ -79,6 +78,13 @@ def _dense_fwd(st, q, k, v, mask, extra, keep):
     s = st.softcap * tanh
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
+  return q, s, tanh
+
+
+def _dense_fwd(st, q, k, v, mask, extra, keep):
+  """q [b, t, kvh, (g), d] float32, k/v [b, s, kvh, d|dv]; mask and keep None or bool, extra None or
+  float32, each broadcastable to the logits [b, kvh, (g), t, s]."""
+  q, s, tanh = _logits(st, q, k, mask, extra)
   row_max = s.max(-1)
   if mask is not None:
     # A row that sees no key has max -inf: shift it by 0 so exp() gives 0, not NaN.
@@ -94,11 +100,16 @@ def _dense_fwd(st, q, k, v, mask, extra, keep):
 
 
 def _dense_bwd(st, residuals, cotangents):
-  """With P = p / l:  dv = P^T dO;  ds = P * (dO v^T - delta), delta = rowsum(dO * O) - dlse
-  (times 1 - tanh^2 through the softcap);  dq = scale * ds k;  dk = ds^T (scale * q)."""
   q, k, v, p, inv, tanh, out, extra, keep = residuals
   dout, dlse = cotangents
   delta = jnp.moveaxis(jnp.sum(dout * out, axis=-1), 1, -1) - dlse  # [b, k, (g), t]
+  dq, dk, dv, d_extra = _grads(st, q, k, v, p, inv, tanh, extra, keep, dout, delta)
+  return dq, dk, dv, None, d_extra, None
+
+
+def _grads(st, q, k, v, p, inv, tanh, extra, keep, dout, delta):
+  """With P = p / l:  dv = P^T dO;  ds = P * (dO v^T - delta), delta = rowsum(dO * O) - dlse
+  (times 1 - tanh^2 through the softcap);  dq = scale * ds k;  dk = ds^T (scale * q)."""
   # Dropout: out = (P * keep * c) v, so dv sees the kept probabilities and dP = (dO v^T) * keep * c;
   # delta = rowsum(P * dP) is still rowsum(dO * out).
   kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.dropout_rate), 0.0)
@@ -115,7 +126,7 @@ def _dense_bwd(st, residuals, cotangents):
   if extra is not None:  # the logits' gradient, summed over the axes `extra` broadcasts along
     axes = tuple(i for i, (n, m) in enumerate(zip(extra.shape, ds.shape, strict=True)) if n == 1 and m > 1)
     d_extra = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
-  return dq, dk, dv, None, d_extra, None
+  return dq, dk, dv, d_extra
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -193,3 +204,28 @@ class XlaDense:
       keep = _grouped(keep, group)
     out, lse = _dense(st, *f32, _mask(request, args, group), extra, keep)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
+
+  def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
+    """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]`` (the softmax's normaliser
+    and rowsum(dO * O) - dlse of the whole output): P = exp(logits - lse), then the same
+    gradients as the VJP. Also serves reference and xla_native in ring attention's backward."""
+    b, t, h, d = q.shape
+    kvh = k.shape[2]
+    group = h // kvh
+    s = k.shape[1]
+    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate)
+    qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
+    q32, k32, v32 = (x.astype(jnp.float32) for x in (qg, k, v))
+    keep = None
+    if request.has_dropout:
+      keep = _grouped(dense_keep(request, args, b, h, t, s), group)
+    extra = _extra(args, b, h, t, s, group)
+    q32, logits, tanh = _logits(st, q32, k32, _mask(request, args, group), extra)
+    stats = (lambda x: x.reshape(b, kvh, group, t)) if group > 1 else (lambda x: x)
+    lse = stats(jnp.where(lse > -jnp.inf, lse, jnp.inf).astype(jnp.float32))  # no key: P = 0
+    p = jnp.exp(logits - lse[..., None])
+    dout = d_out.astype(jnp.float32)
+    dout = dout.reshape(b, t, kvh, group, -1) if group > 1 else dout
+    dq, dk, dv, _ = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, dout,
+                           stats(delta.astype(jnp.float32)))
+    return dq.reshape(b, t, h, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)

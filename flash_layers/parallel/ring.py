@@ -21,15 +21,12 @@ call is compiled once per chunk pair; the forward's last hop is wasted, a price
 paid for half the compiled code. Backward is a custom VJP that runs the ring
 again: dq stays home, dk and dv travel with their K/V block and arrive home
 after the n-th hop. Memory per device is
-O(len / n): the residuals are the local q, k, v, out and lse only. Each step's
-gradient comes from the impl's own VJP, fed with the share of the output
-cotangent that block produced:
-
-    out = sum_r w_r out_r,  w_r = exp(lse_r - lse)
-    d out_r = w_r d out,    d lse_r = w_r (<d out, out_r> - <d out, out> + d lse)
-
-which reproduces the global softmax gradient exactly (the impl's backward needs
-its own out_r/lse_r, so each visited step re-runs its forward once).
+O(len / n): the residuals are the local q, k, v, out and lse only. Each step
+runs only the impl's *backward* (`dispatch.attend_backward`), given the global
+statistics of its rows: the normaliser lse and D = <d out, out> - d lse. With
+P_ij = exp(s_ij - lse_i), dS_ij = P_ij (dP_ij - D_i) is exactly the global
+softmax's gradient restricted to the pair's keys, so the pairs' dq, dk, dv sum
+to the unsharded gradients and no forward is recomputed.
 """
 
 from __future__ import annotations
@@ -214,18 +211,18 @@ def _ring(config: RingConfig):
     d_out, d_lse = cotangents
     me = jax.lax.axis_index(config.axis)
     q_offs = _offsets(me, config, r.q_len)
-    # <d out, out> per row, [b, h, t]: the part of d lse_r every step shares.
+    # D = <d out, out> - d lse per row, [b, h, t], of the global output and normaliser.
     delta = [jnp.swapaxes(jnp.sum(d_out[a].astype(jnp.float32) * out[a].astype(jnp.float32), -1), 1, 2)
-             for a in range(chunks)]
+             - d_lse[a] for a in range(chunks)]
     f32_zeros = lambda xs: [jnp.zeros(x.shape, jnp.float32) for x in xs]  # noqa: E731
 
-    def pair_grads(q_a, k_c, v_c, qs, ks, qo, ko, d_out_a, delta_a, d_lse_a, lse_a):
-      (out_r, lse_r), pull = jax.vjp(
-          lambda q_, k_, v_: _attend_pair(config, extras, q_, k_, v_, qs, ks, qo, ko), q_a, k_c, v_c)
-      w = _lse_weight(lse_r, lse_a)
-      own = jnp.swapaxes(jnp.sum(d_out_a.astype(jnp.float32) * out_r.astype(jnp.float32), -1), 1, 2)
-      grads = pull(((d_out_a.astype(jnp.float32) * _rows(w)).astype(out_r.dtype),
-                    w * (own - delta_a + d_lse_a)))
+    def pair_grads(q_a, k_c, v_c, qs, ks, qo, ko, d_out_a, delta_a, lse_a):
+      seed, batch_offset, head_offset, slopes = extras
+      args = Args(q_segment_ids=qs, kv_segment_ids=ks, q_offset=qo, kv_offset=ko,
+                  dropout_seed=seed, batch_offset=batch_offset, head_offset=head_offset,
+                  alibi_slopes=slopes)
+      grads = dispatch.attend_backward(q_a, k_c, v_c, lse_a, delta_a, d_out_a, impl=config.impl,
+                                       request=r, args=args)
       return tuple(g.astype(jnp.float32) for g in grads)
 
     def no_grads(q_a, k_c, v_c, *_):
@@ -239,7 +236,7 @@ def _ring(config: RingConfig):
           qs, ks = q_seg[a], kv_seg[c]
           gq, gk, gv = jax.lax.cond(
               _pair_visible(config, q_offs[a], kv_offs[c], qs, ks), pair_grads, no_grads,
-              q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c], d_out[a], delta[a], d_lse[a], lse[a])
+              q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c], d_out[a], delta[a], lse[a])
           dq[a], dk[c], dv[c] = dq[a] + gq, dk[c] + gk, dv[c] + gv
       return dk, dv, dq
 

@@ -85,3 +85,16 @@ class FlashPallas:
       return run(forced, True)(q, k, v)
     return jax.lax.platform_dependent(q, k, v, tpu=run("tpu", False), cuda=run("gpu", False),
                                       rocm=run("gpu", False), default=run("tpu", True))
+
+  def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
+    """(dq, dk, dv) from given row statistics: the family's backward kernels, no forward."""
+    forced = lowering.interpreting()
+
+    def run(family: str, interpret: bool):
+      return lambda q, k, v: _family(family).attention_backward(
+          q, k, v, lse, delta, d_out, request=request, args=args, interpret=interpret)
+
+    if forced is not None:
+      return run(forced, True)(q, k, v)
+    return jax.lax.platform_dependent(q, k, v, tpu=run("tpu", False), cuda=run("gpu", False),
+                                      rocm=run("gpu", False), default=run("tpu", True))

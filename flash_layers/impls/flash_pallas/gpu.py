@@ -604,6 +604,12 @@ def _flash_backward(st, residuals, cotangents):
   # D_i = rowsum(dO * O)_i - dlse_i: lse's own cotangent enters dS = P * (dP - D) here.
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
   delta = delta - d_lse
+  return (*_backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out),
+          None, None, None)
+
+
+def _backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out):
+  """dq, dk, dv from the rows' lse and delta [b, h, q] (unpadded [b, len, h, d] arrays)."""
   # Base-2 lse for the kernels; +inf for rows that see no key (and padded rows), so P = 0 there.
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
   qp, kp, vp, q_seg_p, kv_seg_p = _pad_inputs(st, q, k, v, q_seg, kv_seg)
@@ -615,16 +621,30 @@ def _flash_backward(st, residuals, cotangents):
   r = st.request
   dq = dq[:, :r.q_len, :, :r.head_dim]
   dk, dv = dk[:, :r.kv_len, :, :r.head_dim], dv[:, :r.kv_len, :, :r.head_dim_v]
-  return dq, dk, dv, None, None, None
+  return dq, dk, dv
 
 
 _flash.defvjp(_flash_forward, _flash_backward)
 
 
-def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
-  """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
+def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   st = _GpuCall(request, config(request), bool(interpret))
   offsets = jnp.concatenate([  # [q_offset, kv_offset, alibi slopes, dropout streams]
       jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
-      dropout.kernel_table(request, args, q.shape[0], request.num_heads)])
+      dropout.kernel_table(request, args, batch, request.num_heads)])
+  return st, offsets
+
+
+def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
+  """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
+  st, offsets = _prepare(request, args, interpret, q.shape[0])
   return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)
+
+
+def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Args,
+                       interpret: bool):
+  """(dq, dk, dv) from given row statistics lse, delta [b, h, q]: the backward kernels only
+  (see the TPU family's `attention_backward`)."""
+  st, offsets = _prepare(request, args, interpret, q.shape[0])
+  return _backward_from_stats(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets,
+                              lse.astype(jnp.float32), delta.astype(jnp.float32), d_out)

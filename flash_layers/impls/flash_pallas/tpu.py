@@ -194,30 +194,62 @@ def grid_steps(request: Request, args: Args) -> int | None:
   return request.batch * request.num_heads * row_steps.shape[-1] * int(row_steps.max())
 
 
+def _to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d]
+  x = jnp.swapaxes(x, 1, 2)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+
+
+def _prepare(request: Request, args: Args, interpret: bool, batch: int):
+  """(config, padded q length, padded kv length, SMEM offsets table) of one call."""
+  cfg = _config(request, args, interpret)
+  q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
+  kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
+  # offsets: [q_offset, kv_offset, alibi slopes, dropout streams] (dropout.kernel_table), in SMEM.
+  offsets = jnp.concatenate([
+      jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
+      dropout.kernel_table(request, args, batch, request.num_heads)])
+  return cfg, q_pad, kv_pad, offsets
+
+
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv], lse [b, h, q] float32) by the Mosaic kernels."""
-  fwd, bwd = _blocks(request)
   if q.dtype not in (jnp.float32, jnp.bfloat16):
     # float16 (or float64): the kernels run in float32, the output returns to the input dtype.
     out, lse = flash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                                request=request, args=args, interpret=interpret)
     return out.astype(q.dtype), lse
-  cfg = _config(request, args, interpret)
-  q_pad = round_up(request.q_len, math.lcm(fwd[0], bwd[0]))
-  kv_pad = round_up(request.kv_len, math.lcm(fwd[1], bwd[1]))
-
-  def to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d]
-    x = jnp.swapaxes(x, 1, 2)
-    return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
-
-  # offsets: [q_offset, kv_offset, alibi slopes, dropout streams] (dropout.kernel_table), in SMEM.
-  offsets = jnp.concatenate([
-      jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
-      dropout.kernel_table(request, args, q.shape[0], request.num_heads)])
-  out, lse = _flash(cfg, to_kernel_layout(q, q_pad), to_kernel_layout(k, kv_pad),
-                    to_kernel_layout(v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
+  cfg, q_pad, kv_pad, offsets = _prepare(request, args, interpret, q.shape[0])
+  out, lse = _flash(cfg, _to_kernel_layout(q, q_pad), _to_kernel_layout(k, kv_pad),
+                    _to_kernel_layout(v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
   out = jnp.swapaxes(out[:, :, :request.q_len], 1, 2)
   return out, lse[:, :, 0, :request.q_len]
+
+
+def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Args,
+                       interpret: bool):
+  """(dq, dk, dv) from given row statistics: the two backward kernels, no forward.
+
+  ``lse [b, h, q]`` is the normaliser of the whole softmax the rows belong to and
+  ``delta [b, h, q]`` = rowsum(dO * O) - dlse of its whole output (ring attention passes the
+  global ones, so each (q shard, kv shard) pair's gradients are its exact share).
+  """
+  if q.dtype not in (jnp.float32, jnp.bfloat16):
+    grads = attention_backward(*(x.astype(jnp.float32) for x in (q, k, v)), lse, delta, d_out,
+                               request=request, args=args, interpret=interpret)
+    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+  cfg, q_pad, kv_pad, offsets = _prepare(request, args, interpret, q.shape[0])
+  dq, dk, dv = _backward_from_stats(
+      cfg, _to_kernel_layout(q, q_pad), _to_kernel_layout(k, kv_pad), _to_kernel_layout(v, kv_pad),
+      args.q_segment_ids, args.kv_segment_ids, offsets,
+      _row_stat(lse, q_pad), _row_stat(delta, q_pad), _to_kernel_layout(d_out.astype(q.dtype), q_pad))
+  dq = jnp.swapaxes(dq[:, :, :request.q_len], 1, 2)
+  dk = jnp.swapaxes(dk[:, :, :request.kv_len], 1, 2)
+  return dq, dk, jnp.swapaxes(dv[:, :, :request.kv_len], 1, 2)
+
+
+def _row_stat(x, length):  # [b, h, q] -> [b, h, 1, q_pad] float32
+  x = x.astype(jnp.float32)
+  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[-1])))[:, :, None, :]
 
 
 # ----------------------------------------------------------------------------
@@ -794,12 +826,17 @@ def _flash_bwd(cfg: _TpuCall, residuals, cotangents):
   # backward block beyond the forward grid (block sizes differ), where out and lse were never
   # written: give them lse = +inf and D = 0, so p = 0 there, never NaN. Rows that see no key get
   # lse = +inf too (p = exp(s - inf) = 0, never exp(+inf)).
-  real = (jnp.arange(lse.shape[-1]) < cfg.q_len)[None, None, None, :]
   delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :] - d_lse
+  dq, dk, dv = _backward_from_stats(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out)
+  return dq, dk, dv, None, None, None
+
+
+def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out):
+  """The backward kernels on head-major padded arrays; lse, delta [b, h, 1, q_pad]."""
+  real = (jnp.arange(lse.shape[-1]) < cfg.q_len)[None, None, None, :]
   delta = jnp.where(real, delta, 0.0)
   lse = jnp.where(real & (lse > -jnp.inf), lse, jnp.inf)
-  dq, dk, dv = _backward(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out)
-  return dq, dk, dv, None, None, None
+  return _backward(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
