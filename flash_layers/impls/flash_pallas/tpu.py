@@ -403,8 +403,8 @@ _NN = ((1,), (0,))
 def _dot(cfg: _TpuCall, a, b, contract):
   """a @ b (or a @ b^T) in float32 at the call's precision.
 
-  Mosaic contracts float32 operands at DEFAULT (one bfloat16 pass) or HIGHEST
-  (`contract_precision<fp32>`) and rejects HIGH, so HIGH is written out as what XLA runs for it
+  Pallas lowers DEFAULT to a Mosaic matmul without a contraction precision (Mosaic's default) and
+  HIGHEST to `contract_precision<fp32>`, and rejects HIGH, so HIGH is written out as what XLA runs for it
   on TPU (bf16_3x): a = a_hi + a_lo in bfloat16, a @ b ~ lo.hi + hi.lo + hi.hi. bfloat16
   operands multiply exactly in one pass and Mosaic refuses a contraction precision on them
   ("Bad lhs type"): they always get DEFAULT.
