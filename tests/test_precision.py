@@ -140,6 +140,94 @@ def test_tpu_high_is_bf16x3():
 
 
 # ----------------------------------------------------------------------------
+# What Mosaic and Triton receive (lowered on this CPU host, no accelerator)
+# ----------------------------------------------------------------------------
+
+def _custom_call_bodies(lowered, target: str):
+  """The `backend_config` (Mosaic) or `mhlo.backend_config` (Triton) of every `target` custom call."""
+
+  found = []
+
+  def walk(op):
+    for region in op.regions:
+      for block in region.blocks:
+        for o in block.operations:
+          if o.name == "stablehlo.custom_call" and target in str(o.attributes["call_target_name"]):
+            found.append(o.attributes["mhlo.backend_config" if target == "triton" else "backend_config"])
+          walk(o)
+
+  walk(lowered.compiler_ir().operation)
+  return found
+
+
+def _lower_grad(platform: str, precision):
+  q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.float32)
+  grad = jax.grad(lambda q, k, v: fl.attention(q, k, v, impl="flash_pallas", causal=True,
+                                               precision=precision).sum(), argnums=(0, 1, 2))
+  return jax.jit(grad).trace(q, q, q).lower(lowering_platforms=(platform,))
+
+
+@pytest.mark.parametrize("precision, expected", [(None, "contract_precision<fp32>"), ("default", None)])
+def test_mosaic_matmuls_carry_contract_precision(precision, expected):
+  import base64
+  import re
+
+  try:
+    from jax._src.interpreters import mlir
+    from jax._src.lib import tpu as tpu_dialect
+    from jaxlib.mlir import ir
+    from jaxlib.mlir.passmanager import PassManager
+  except ImportError as e:  # private modules: their names may move between jax versions
+    pytest.skip(f"cannot read Mosaic modules with this jax: {e}")
+  kinds = []
+  for config in _custom_call_bodies(_lower_grad("tpu", precision), "tpu_custom_call"):
+    body = base64.b64decode(re.search(r'"body": "([^"]+)"', ir.StringAttr(config).value).group(1))
+    ctx = mlir.make_ir_context()
+    tpu_dialect.register_dialect(ctx)
+    with ctx, ir.Location.unknown():
+      ctx.allow_unregistered_dialects = True
+      module = ir.Module.parse(body)
+      PassManager.parse("builtin.module(mosaic-serde{serialize=false})").run(module.operation)
+      for line in str(module).splitlines():
+        if "tpu.matmul" in line:
+          found = re.search(r"contract_precision<\w+>", line)
+          kinds.append(found.group(0) if found else None)
+  # 3 kernels, 9 dots, each tile update traced with and without the element mask.
+  assert len(kinds) == 18 and set(kinds) == {expected}, kinds
+
+
+@pytest.mark.parametrize("precision, expected", [(None, "ieee"), ("default", "tf32"), ("high", "tf32")])
+def test_triton_dots_carry_input_precision(precision, expected):
+  try:
+    from jax._src.interpreters import mlir
+    from jax._src.lib import triton
+    from jax._src.lib import version as jaxlib_version
+    from jaxlib.mlir import ir
+  except ImportError as e:
+    pytest.skip(f"cannot read Triton modules with this jax: {e}")
+  if jaxlib_version > (0, 10, 2) and not triton.has_compilation_handler("cuda"):
+    pytest.skip("this jaxlib lowers Triton for CUDA only with its CUDA plugin")
+  names = {int(v): k.lower() for k, v in triton.dialect.InputPrecision.__members__.items()}
+  kinds = []
+  for config in _custom_call_bodies(_lower_grad("cuda", precision), "triton"):
+    ctx = mlir.make_ir_context()
+    triton.dialect.register_dialect(ctx)
+    with ctx:
+      module = ir.Module.parse(ir.StringAttr(ir.DictAttr(config)["ir"]).value_bytes)
+
+      def walk(op):
+        for region in op.regions:
+          for block in region.blocks:
+            for o in block.operations:
+              if o.name == "tt.dot":
+                kinds.append(names[ir.IntegerAttr(o.attributes["inputPrecision"]).value])
+              walk(o)
+
+      walk(module.operation)
+  assert len(kinds) == 9 and set(kinds) == {expected}, kinds
+
+
+# ----------------------------------------------------------------------------
 # The argument
 # ----------------------------------------------------------------------------
 
