@@ -30,7 +30,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               scale: float | None = None, softcap: float | None = None, dropout_rate: float = 0.0,
               dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
               alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
-              block_sizes: Any = None, mesh: Any = None) -> jax.Array:
+              precision: str | jax.lax.Precision | None = None, block_sizes: Any = None,
+              mesh: Any = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -63,6 +64,11 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       differentiable. Served by reference, xla_native and xla_chunked (not flash_pallas).
     Order: logits = scale * q.k + alibi + bias, then softcap, then the mask, softmax in
       float32, then dropout.
+    precision: of every matmul (q.k and p.v, and those of the gradient), as in `jnp.dot`:
+      "default", "high", "highest" (or jax's aliases "bfloat16", "bfloat16_3x",
+      "tensorfloat32", "float32") or a `jax.lax.Precision`. None: "highest" (full float32
+      products) for float32 inputs, "default" for bfloat16 (whose products are exact anyway).
+      What each means per platform: docs/contract.md, "Precision".
     block_sizes: flash_pallas tile sizes (see its BlockSizes); None for the defaults.
     mesh: a `jax.sharding.Mesh` with axes from ("data", "fsdp", "tensor", "sequence")
       (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
@@ -78,7 +84,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
                           softcap=softcap, block_sizes=block_sizes, global_tokens=global_tokens,
                           dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                          dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes, bias=bias)
+                          dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes, bias=bias,
+                          precision=precision)
   mesh = sharded.resolve_mesh(mesh)
   if mesh is not None:
     plan = sharded.make_plan(request, mesh)

@@ -152,6 +152,40 @@ def _check_bias(bias, shape):
   return jnp.reshape(bias, shape4)
 
 
+# What `precision=` accepts besides None and `jax.lax.Precision` values: jax's names for its three
+# precisions (those `jax.lax.Precision("...")` takes), so a precision means here what it means in
+# `jnp.dot`.
+_PRECISION_NAMES = {
+    "default": jax.lax.Precision.DEFAULT, "bfloat16": jax.lax.Precision.DEFAULT,
+    "high": jax.lax.Precision.HIGH, "bfloat16_3x": jax.lax.Precision.HIGH,
+    "tensorfloat32": jax.lax.Precision.HIGH,
+    "highest": jax.lax.Precision.HIGHEST, "float32": jax.lax.Precision.HIGHEST,
+}
+PRECISIONS = tuple(_PRECISION_NAMES)
+
+
+def normalize_precision(precision) -> jax.lax.Precision | None:
+  """None stays None; a name from PRECISIONS, a `jax.lax.Precision` or a pair of one precision (what
+  flax layers may pass to `jnp.einsum`) becomes a `jax.lax.Precision`; anything else is a ValueError."""
+  if isinstance(precision, (tuple, list)) and len(precision) == 2 and precision[0] == precision[1]:
+    precision = precision[0]
+  if precision is None or isinstance(precision, jax.lax.Precision):
+    return precision
+  if isinstance(precision, str) and precision in _PRECISION_NAMES:
+    return _PRECISION_NAMES[precision]
+  raise ValueError(f"precision must be None, a jax.lax.Precision or one of {PRECISIONS}; "
+                   f"got {precision!r}")
+
+
+def resolve_precision(precision, dtype) -> jax.lax.Precision:
+  """The matmul precision of a call: the user's, else HIGHEST (full float32 products) for every
+  dtype but bfloat16, whose products are exact in one bf16 pass (DEFAULT: the kernels unchanged)."""
+  precision = normalize_precision(precision)
+  if precision is not None:
+    return precision
+  return jax.lax.Precision.DEFAULT if jnp.dtype(dtype) == jnp.bfloat16 else jax.lax.Precision.HIGHEST
+
+
 def check_impl(impl: str) -> None:
   """Raise ValueError unless `impl` is one of IMPLS or \"auto\"."""
   if impl != AUTO and impl not in IMPLS:
@@ -161,7 +195,8 @@ def check_impl(impl: str) -> None:
 def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids=None,
             window=None, scale=None, softcap=None, block_sizes=None, dense_mask=None,
             q_offset=0, kv_offset=0, global_tokens=0, dropout_rate=0.0, dropout_rng=None,
-            dropout_broadcast=False, alibi_slopes=None, bias=None) -> tuple[Request, Args]:
+            dropout_broadcast=False, alibi_slopes=None, bias=None,
+            precision=None) -> tuple[Request, Args]:
   """Validate a call; return its static Request and array Args (with global tokens, the segment
   ids are encoded here, on the whole sequence: masks.encode_global)."""
   _check_qkv(query, key, value)
@@ -194,12 +229,14 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   rate, seed, broadcast = _check_dropout(dropout_rate, dropout_rng, dropout_broadcast)
   slopes = _check_alibi(alibi_slopes, h)
   bias = _check_bias(bias, (b, h, t, s))
+  precision = resolve_precision(precision, query.dtype)
   request = Request(
       batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kvh, head_dim=d, head_dim_v=dv,
       dtype=jnp.dtype(query.dtype).name, spec=spec, has_segment_ids=q_seg is not None,
       scale=d ** -0.5 if scale is None else scale, softcap=softcap,
       has_dense_mask=dense_mask is not None, block_sizes=block_sizes, dropout_rate=rate,
-      dropout_broadcast=broadcast, has_alibi=slopes is not None, has_bias=bias is not None)
+      dropout_broadcast=broadcast, has_alibi=slopes is not None, has_bias=bias is not None,
+      precision=precision)
   return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask, dropout_seed=seed,
                        alibi_slopes=slopes, bias=bias)
 
@@ -265,8 +302,10 @@ def _log_auto_choice(request: Request, platform: str, name: str, reason: str):
 
 
 def _signature(r: Request) -> str:
+  precision = r.precision.name.lower()
   extras = "".join(f"+{name}" for name, on in (
-      (f"dropout={r.dropout_rate}", r.has_dropout), ("alibi", r.has_alibi), ("bias", r.has_bias)) if on)
+      (f"dropout={r.dropout_rate}", r.has_dropout), ("alibi", r.has_alibi), ("bias", r.has_bias),
+      (f"precision={precision}", r.precision != resolve_precision(None, r.dtype))) if on)
   return (f"{r.dtype}[b={r.batch}, q={r.q_len}, kv={r.kv_len}, h={r.num_heads}/{r.num_kv_heads}, "
           f"d={r.head_dim}/{r.head_dim_v}] {r.spec.describe(r.has_segment_ids)}{extras}")
 

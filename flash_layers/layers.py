@@ -61,6 +61,7 @@ def check_fields(layer) -> None:
   if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
     raise ValueError(f"dropout_rate must be a float in [0, 1); got {rate!r}")
   _check_alibi(layer.alibi, layer.num_heads)
+  dispatch.normalize_precision(layer.precision)
 
 
 def _check_alibi(alibi, num_heads: int) -> None:
@@ -132,6 +133,7 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_
                        scale=layer.scale, softcap=layer.softcap,
                        dropout_rate=layer.dropout_rate if dropout_rng is not None else 0.0,
                        dropout_rng=dropout_rng, alibi_slopes=alibi_slopes(layer),
+                       precision=layer.precision,
                        block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None))
 
 
@@ -207,8 +209,11 @@ class MultiHeadAttention(nn.Module):
     mesh: as in `fl.attention`: a mesh (`fl.parallel.make_mesh`) to shard the
       attention over; None shards over the current mesh (`jax.set_mesh`), if any.
     dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
-    use_bias, kernel_init, bias_init, precision: of the projections, as in `nn.DenseGeneral`
-      (the attention itself runs at the impl's own precision).
+    use_bias, kernel_init, bias_init: of the projections, as in `nn.DenseGeneral`.
+    precision: of every matmul, the projections' and the attention's (as the one `precision`
+      of `nn.MultiHeadDotProductAttention`): "default", "high", "highest", a
+      `jax.lax.Precision` or None. None: the projections at jax's default, the attention at
+      `fl.attention`'s (full float32 products for float32, see docs/contract.md).
     dropout_rate: attention-probability dropout, applied when the call has
       deterministic=False, with keys from the "dropout" rng collection
       (`apply(..., rngs={"dropout": key})`). The mask is `fl.dropout_mask` of that key:
@@ -300,8 +305,8 @@ class MultiHeadAttention(nn.Module):
 # ----------------------------------------------------------------------------
 
 _FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes")
-# Keywords flax passes that change nothing here: our softmax is always float32,
-# dtype promotion is done below, and impls choose their own matmul precision.
+# Keywords flax passes that change nothing here: our softmax is always float32 and
+# dtype promotion is done below.
 _HARMLESS_EXTRA = ("promote_dtype", "force_fp32_for_softmax")
 # Keywords that ask for custom einsums (e.g. quantization); fine while None.
 _EINSUM_EXTRA = ("qk_attn_weights_einsum", "attn_weights_value_einsum", "einsum_dot_general", "einsum")
@@ -346,9 +351,10 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
     bernoulli draw); xla_native raises UnsupportedError("dropout").
   * `bias`: an additive logits bias [batch..., heads|1, q_len, kv_len] (for callers
     that pass one); flash_pallas raises UnsupportedError("dense bias").
+  * `precision` (the module's field, which flax also uses for its projections): the
+    attention's matmul precision, as `fl.attention(precision=...)`; None for its default.
   Refused by name: sown attention weights (`sow_weights=True`: the probabilities
-  are never materialized) and custom einsums. `precision` is ignored (each impl
-  picks its own).
+  are never materialized) and custom einsums.
   """
   dispatch.check_impl(impl)
   unknown = sorted(set(fixed_kwargs) - set(_FIXED_KWARGS))
@@ -358,7 +364,6 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
   def fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
          **extra):
-    del precision
     if module is not None:
       raise UnsupportedError("attention_fn: sow_weights is not supported (the attention "
                              "probabilities are never materialized)")
@@ -388,7 +393,8 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
     if bias is not None:
       bias = _flatten_logits_operand(bias, batch_shape)
     request, args = dispatch.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask,
-                                     bias=bias, **dropout_kwargs)
+                                     bias=bias, precision=precision,
+                                     **dropout_kwargs)
     out, _ = dispatch.attend(q, k, v, impl=impl, request=request, args=args)
     return out.reshape(batch_shape + out.shape[1:])
 

@@ -76,6 +76,7 @@ class MultiHeadAttention(nnx.Module):
     self.dropout_rate = dropout_rate
     self.alibi = alibi
     self.deterministic = deterministic
+    self.precision = precision  # the projections' and the attention's
     layers.check_fields(self)
     if alibi is not None and not isinstance(alibi, bool):
       # Static data, not an array attribute (which NNX would treat as state).

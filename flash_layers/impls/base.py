@@ -66,6 +66,9 @@ class Request:
   dropout_broadcast: bool = False  # one mask for every batch row and head
   has_alibi: bool = False
   has_bias: bool = False
+  # The precision of every matmul (`jax.lax.Precision`, as in `jnp.dot`): DEFAULT, HIGH or HIGHEST.
+  # `dispatch.prepare` resolves the user's None: HIGHEST, except DEFAULT for bfloat16 inputs.
+  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST
 
   @property
   def has_dropout(self) -> bool:

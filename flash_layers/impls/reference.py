@@ -13,15 +13,17 @@ from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
 
 
-def masked_softmax_attention(q, k, v, mask, scale, softcap, extra=None, keep=None, rate=0.0):
+def masked_softmax_attention(q, k, v, mask, scale, softcap, extra=None, keep=None, rate=0.0,
+                             precision=jax.lax.Precision.HIGHEST):
   """Attention over grouped heads in float32.
 
   q [b, t, kvh, g, d], k [b, s, kvh, d], v [b, s, kvh, dv], mask broadcastable to
   [b, kvh, g, t, s]; ``extra`` (alibi + bias) and ``keep`` (the dropout mask) broadcast
   the same way. Returns out [b, t, kvh, g, dv] float32 and lse [b, kvh, g, t] (pre-dropout).
+  Both einsums run at ``precision`` (the request's).
   """
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision="highest") * scale
+  logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision) * scale
   if extra is not None:
     logits = logits + extra
   if softcap is not None:
@@ -39,7 +41,7 @@ def masked_softmax_attention(q, k, v, mask, scale, softcap, extra=None, keep=Non
   p = p / safe_denom
   if keep is not None:
     p = jnp.where(keep, p * dropout.keep_scale(rate), 0.0)
-  out = jnp.einsum("bkgts,bskd->btkgd", p, v, precision="highest")
+  out = jnp.einsum("bkgts,bskd->btkgd", p, v, precision=precision)
   lse = jnp.where(has_key, row_max + jnp.log(safe_denom), -jnp.inf)[..., 0]
   return out, lse
 
@@ -81,7 +83,7 @@ class Reference:
       keep = keep.reshape(*((1, 1, 1) if request.dropout_broadcast else (b, kvh, g)), t, s)
     out, lse = masked_softmax_attention(q.reshape(b, t, kvh, g, d), k, v, mask,
                                         request.scale, request.softcap, extra, keep,
-                                        request.dropout_rate)
+                                        request.dropout_rate, request.precision)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
 
 

@@ -70,14 +70,15 @@ class _ChunkedCall:
   dropout_rate: float = 0.0
   dropout_broadcast: bool = False
   heads_in_bias: bool = False  # the bias has a head axis (else it broadcasts over heads)
+  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every matmul (the request's)
 
 
-def _dot(a, b, spec):
-  """Matmul with float32 results; float32 operands at full precision (TPU defaults to bf16 passes)."""
-  precision = jax.lax.Precision.HIGHEST if jnp.float32 in (a.dtype, b.dtype) else None
+def _dot(st: _ChunkedCall, a, b, spec):
+  """Matmul with float32 results at the request's precision; mixed operands (float32 probabilities
+  against bfloat16 values) meet in float32."""
   if a.dtype != b.dtype:
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jnp.einsum(spec, a, b, precision=precision, preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, a, b, precision=st.precision, preferred_element_type=jnp.float32)
 
 
 class _Extras(NamedTuple):
@@ -162,7 +163,7 @@ class _Row:
   def logits(self, q_blk, k_blk, qb, kb):
     """float32 [kvh, g, bq, bk]: scale * q.k + alibi + bias, soft-capped. Also returns tanh for the
     softcap's derivative."""
-    s = _dot(q_blk, k_blk, "kgtd,ksd->kgts") * self.st.scale
+    s = _dot(self.st, q_blk, k_blk, "kgtd,ksd->kgts") * self.st.scale
     if self.slopes is not None:
       s = s + dropout.alibi(self.slopes[..., None, None], *self.positions(qb, kb))
     if self.bias is not None:
@@ -197,7 +198,7 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, d
       keep = row.keep(qb, kb)
       if keep is not None:
         p = p * keep
-      acc = correction[..., None] * acc + _dot(p, v[kb], "kgts,ksv->kgtv")
+      acc = correction[..., None] * acc + _dot(st, p, v[kb], "kgts,ksv->kgtv")
       return m_new, denom, acc
 
     init = (jnp.full((kvh, g, bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g, bq), jnp.float32),
@@ -236,12 +237,12 @@ def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, 
       k_blk, v_blk = k[kb], v[kb]
       s, tanh = row.logits(q_blk, k_blk, qb, kb)
       p = jnp.where(row.mask(qb, kb), jnp.exp(s - lse_blk[..., None]), 0.0)
-      dp = _dot(do_blk, v_blk, "kgtv,ksv->kgts")
+      dp = _dot(st, do_blk, v_blk, "kgtv,ksv->kgts")
       keep = row.keep(qb, kb)
       pm = p if keep is None else p * keep
       if keep is not None:
         dp = dp * keep
-      dv_blk = _dot(pm, do_blk, "kgts,kgtv->ksv")
+      dv_blk = _dot(st, pm, do_blk, "kgts,kgtv->ksv")
       ds = p * (dp - delta_blk[..., None])
       if tanh is not None:
         ds = ds * (1.0 - tanh * tanh)
@@ -249,8 +250,8 @@ def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, 
         tile = ds.reshape(-1, *ds.shape[2:]) if bias_heads > 1 else ds.sum((0, 1))[None]
         dbias = jax.lax.dynamic_update_slice_in_dim(dbias, tile, kb * st.block_kv, 2)
       ds = ds * st.scale
-      dq = dq + _dot(ds, k_blk, "kgts,ksd->kgtd")
-      dk_blk = _dot(ds, q_blk, "kgts,kgtd->ksd")
+      dq = dq + _dot(st, ds, k_blk, "kgts,ksd->kgtd")
+      dk_blk = _dot(st, ds, q_blk, "kgts,kgtd->ksd")
       dk = jax.lax.dynamic_update_index_in_dim(dk, dk[kb] + dk_blk, kb, 0)
       dv = jax.lax.dynamic_update_index_in_dim(dv, dv[kb] + dv_blk, kb, 0)
       return dq, dk, dv, dbias
@@ -389,7 +390,8 @@ class XlaChunked:
     st = _ChunkedCall(request.spec, request.scale, request.softcap, t, s, bq, bk, kvh, g,
                       heads_in_mask=args.dense_mask is not None and args.dense_mask.shape[1] != 1,
                       dropout_rate=request.dropout_rate, dropout_broadcast=request.dropout_broadcast,
-                      heads_in_bias=args.bias is not None and args.bias.shape[1] != 1)
+                      heads_in_bias=args.bias is not None and args.bias.shape[1] != 1,
+                      precision=request.precision)
 
     # [b, t, h, d] -> [b, nq, kvh, g, bq, d]; [b, s, kvh, d] -> [b, nk, kvh, bk, d].
     qc = pad_to(q, 1, tp).reshape(b, nq, bq, kvh, g, d).transpose(0, 1, 3, 4, 2, 5)

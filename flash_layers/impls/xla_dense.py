@@ -48,12 +48,13 @@ class _DenseCall:
   softcap: float | None
   group: int  # query heads per kv head; 1 drops the "g" axis from every einsum
   dropout_rate: float = 0.0
+  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every einsum (the request's)
 
 
 def _einsum(st: _DenseCall, spec: str, a, b):
   if st.group == 1:
     spec = spec.replace("g", "")
-  return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, a, b, precision=st.precision, preferred_element_type=jnp.float32)
 
 
 def _to_rows(x):
@@ -194,7 +195,7 @@ class XlaDense:
     kvh = k.shape[2]
     group = h // kvh
     s = k.shape[1]
-    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate)
+    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate, request.precision)
     qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
     f32 = [x.astype(jnp.float32) for x in (qg, k, v)]
     extra = _extra(args, b, h, t, s, group)
@@ -213,7 +214,7 @@ class XlaDense:
     kvh = k.shape[2]
     group = h // kvh
     s = k.shape[1]
-    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate)
+    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate, request.precision)
     qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
     q32, k32, v32 = (x.astype(jnp.float32) for x in (qg, k, v))
     keep = None

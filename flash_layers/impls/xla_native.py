@@ -6,6 +6,11 @@ raise UnsupportedError. ALiBi becomes part of its `bias` argument (a dense
 Segment ids, windows and ring offsets become a boolean mask
 (which also keeps cuDNN from being picked; a plain causal call stays maskless
 and cuDNN-eligible).
+
+Precision: `jax.nn.dot_product_attention` takes no `precision`, so the call is traced
+under `jax.default_matmul_precision(...)`, which its XLA path reads when it builds its
+einsums (they carry the request's precision in the jaxpr, and their gradients inherit
+it). cuDNN serves only bfloat16/float16, whose products are exact at any precision.
 """
 
 from __future__ import annotations
@@ -75,11 +80,13 @@ class XlaNative:
     bias = _bias(request, args, q.shape[1], k.shape[1])
     if bias is not None and dtype != jnp.float32:
       bias = bias.astype(dtype)  # XLA adds it to logits of the input dtype
-    out, lse = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=request.scale,
-                                            is_causal=is_causal, return_residual=True)
+    with jax.default_matmul_precision(request.precision.name.lower()):
+      out, lse = jax.nn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=request.scale,
+                                              is_causal=is_causal, return_residual=True)
+      lse_gradient = _lse_gradient(q, k, bias, mask, request.scale, is_causal, request.precision)
     out = out.astype(dtype)
     lse = jnp.swapaxes(lse.astype(jnp.float32), 1, 2)  # [b, t, h] -> [b, h, t]
-    lse = lse + _lse_gradient(q, k, bias, mask, request.scale, is_causal)
+    lse = lse + lse_gradient
     if mask is not None:
       # XLA gives a row with no visible key the mean of all values; the contract says 0.
       has_key = jnp.any(jnp.broadcast_to(mask, (q.shape[0], q.shape[2], q.shape[1], k.shape[1])),
@@ -89,7 +96,7 @@ class XlaNative:
     return out, lse
 
 
-def _lse_gradient(q, k, bias, mask, scale, is_causal):
+def _lse_gradient(q, k, bias, mask, scale, is_causal, precision):
   """Zero, with the gradient of lse: `dot_product_attention`'s residual carries none.
 
   d lse_i / d q_i = scale * sum_j p_ij k_j and d lse_i / d k_j = scale * p_ij q_i. With
@@ -109,7 +116,8 @@ def _lse_gradient(q, k, bias, mask, scale, is_causal):
     # d lse_i / d bias_ij = p_ij: sum_j sg(p_ij) bias_ij, from dense probabilities (this impl
     # holds dense logits anyway; XLA drops it when nothing differentiates lse).
     logits = scale * jnp.einsum("bthd,bshd->bhts", sg(q32),
-                                jnp.repeat(sg(k).astype(jnp.float32), q.shape[2] // k.shape[2], 2))
+                                jnp.repeat(sg(k).astype(jnp.float32), q.shape[2] // k.shape[2], 2),
+                                precision=precision)
     logits = logits + sg(bias).astype(jnp.float32)
     visible = jnp.ones(logits.shape, bool) if mask is None else jnp.broadcast_to(mask, logits.shape)
     if is_causal:

@@ -239,6 +239,15 @@ def _keep(st: _GpuCall, offsets_ref, batch, head, positions):
   return jnp.where(kept, jnp.float32(dropout.keep_scale(r.dropout_rate)), jnp.float32(0.0))
 
 
+def _dot(st: _GpuCall, a, b, contract):
+  """a . b over the `contract` dims in float32 at the request's precision: Pallas Triton makes
+  float32 operands at HIGHEST IEEE products, at DEFAULT or HIGH TF32 ones. bfloat16/float16
+  operands multiply exactly whatever the precision; they keep DEFAULT, as before."""
+  precision = st.request.precision if a.dtype == jnp.float32 else lax.Precision.DEFAULT
+  return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                         preferred_element_type=jnp.float32)
+
+
 def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full, offsets_ref,
                  q_seg, kv_seg, alibi=None):
   """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
@@ -248,7 +257,7 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full,
   Returns (s2, tanh_t): s2 = logits * log2(e) in float32; tanh_t is tanh(x / softcap)
   (needed by the backward's chain rule) or None without softcap.
   """
-  raw = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  raw = _dot(st, q, k, ((1,), (1,)))
   tanh_t = None
   if st.request.softcap is None:
     s2 = raw * (st.request.scale * LOG2E)
@@ -324,8 +333,7 @@ def _forward_kernel(st: _GpuCall, *refs):
     if keep is not None:
       p = p * keep
     v = v_ref[kv_slice, :]
-    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+    pv = _dot(st, p.astype(v.dtype), v, ((1,), (0,)))
     return acc * rescale[:, None] + pv, m_new, denom
 
   init = (jnp.zeros((block_q, st.dv_pad), jnp.float32),
@@ -372,17 +380,15 @@ def _dkv_kernel(st: _GpuCall, *refs):
       # lse2 is +inf for rows that see no key, so their p is exactly 0.
       p = jnp.exp2(s2 - lse2_ref[head, q_slice][:, None])
       do = do_ref[q_slice, head, :]
-      dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+      dp = _dot(st, do, v, ((1,), (1,)))
       # Dropout: dV sums the kept, rescaled p; dP flows only through kept entries; D is unchanged.
       keep = _keep(st, offsets_ref, batch, first_head + head, positions)
       pk = p if keep is None else p * keep
       if keep is not None:
         dp = dp * keep
-      dv = dv + lax.dot_general(pk.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+      dv = dv + _dot(st, pk.astype(do.dtype), do, ((0,), (0,)))
       ds = _grad_logits(st, p, dp, delta_ref[head, q_slice], tanh_t)
-      dk = dk + lax.dot_general(ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+      dk = dk + _dot(st, ds.astype(q.dtype), q, ((0,), (0,)))
       return dk, dv
 
     return lax.fori_loop(0, num_q_blocks, visit, carry)
@@ -418,14 +424,12 @@ def _dq_kernel(st: _GpuCall, *refs):
                               kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg,
                               _alibi(st, offsets_ref, head, positions))
     p = jnp.exp2(s2 - lse2[:, None])
-    dp = lax.dot_general(do, v_ref[kv_slice, :], (((1,), (1,)), ((), ())),
-                         preferred_element_type=jnp.float32)
+    dp = _dot(st, do, v_ref[kv_slice, :], ((1,), (1,)))
     keep = _keep(st, offsets_ref, batch, head, positions)
     if keep is not None:
       dp = dp * keep
     ds = _grad_logits(st, p, dp, delta, tanh_t)
-    return dq + lax.dot_general(ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32)
+    return dq + _dot(st, ds.astype(k.dtype), k, ((1,), (0,)))
 
   dq = lax.fori_loop(0, kv_count_ref[map_row, q_block], visit,
                      jnp.zeros((block_q, st.d_pad), jnp.float32))
@@ -602,7 +606,8 @@ def _flash_backward(st, residuals, cotangents):
   q, k, v, q_seg, kv_seg, offsets, out, lse = residuals
   d_out, d_lse = cotangents
   # D_i = rowsum(dO * O)_i - dlse_i: lse's own cotangent enters dS = P * (dP - D) here.
-  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32),
+                     precision=st.request.precision)
   delta = delta - d_lse
   return (*_backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out),
           None, None, None)

@@ -163,6 +163,7 @@ class _TpuCall:
   num_heads: int = 0   # local query heads: where the dropout streams start in the offsets table
   alibi: bool = False
   dropout_rate: float = 0.0
+  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every dot (Request.precision)
 
   @property
   def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
@@ -177,7 +178,7 @@ def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
   return _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
                   request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
                   offsets_static, interpret, request.num_heads, request.has_alibi,
-                  request.dropout_rate)
+                  request.dropout_rate, request.precision)
 
 
 def grid_steps(request: Request, args: Args) -> int | None:
@@ -566,9 +567,34 @@ def _when_visited(step: _Step, update):
   pl.when(step.visited & ~step.full)(lambda: update(masked=True))
 
 
+_NT = ((1,), (1,))  # dot_general contractions: a @ b^T and a @ b
+_NN = ((1,), (0,))
+
+
+def _dot(cfg: _TpuCall, a, b, contract):
+  """a @ b (or a @ b^T) in float32 at the call's precision.
+
+  Pallas lowers DEFAULT to a Mosaic matmul without a contraction precision (Mosaic's default) and
+  HIGHEST to `contract_precision<fp32>`, and rejects HIGH, so HIGH is written out as what XLA runs for it
+  on TPU (bf16_3x): a = a_hi + a_lo in bfloat16, a @ b ~ lo.hi + hi.lo + hi.hi. bfloat16
+  operands multiply exactly in one pass and Mosaic refuses a contraction precision on them
+  ("Bad lhs type"): they always get DEFAULT.
+  """
+  dot = functools.partial(jax.lax.dot_general, dimension_numbers=(contract, ((), ())),
+                          preferred_element_type=jnp.float32)
+  if a.dtype != jnp.float32:
+    return dot(a, b, precision=jax.lax.Precision.DEFAULT)
+  if cfg.precision != jax.lax.Precision.HIGH:
+    return dot(a, b, precision=cfg.precision)
+  a_hi, b_hi = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+  a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  b_lo = (b - b_hi.astype(jnp.float32)).astype(jnp.bfloat16)
+  return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
+
+
 def _logits(cfg: _TpuCall, a, b, alibi=None):
   """scale * a @ b^T (+ alibi) in float32, soft-capped; also returns tanh(.) for the softcap gradient."""
-  s = jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+  s = _dot(cfg, a, b, _NT)
   s = s * cfg.scale
   if alibi is not None:
     s = s + alibi
@@ -635,8 +661,7 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
     if keep is not None:
       p = p * keep
     v = v_ref[...]
-    acc_scr[...] = acc_scr[...] * rescale[:, :1] + jnp.dot(
-        p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    acc_scr[...] = acc_scr[...] * rescale[:, :1] + _dot(cfg, p.astype(v.dtype), v, _NN)
     m_scr[...] = m_next
 
   _when_visited(step, update)
@@ -703,19 +728,18 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
       s_t = jnp.where(_tile_visible(cfg, tile, *seg), s_t, -jnp.inf)
     # lse is +inf for rows that see no key (set by the wrapper): their p is exactly 0.
     p_t = jnp.exp(s_t - lse_ref[...])
-    dp_t = jax.lax.dot_general(v_ref[...], do, (((1,), (1,)), ((), ())),
-                               preferred_element_type=jnp.float32)
+    dp_t = _dot(cfg, v_ref[...], do, _NT)
     keep = _dropout(cfg, offsets_ref, step, tile)
     # Dropout: dV sums the kept, rescaled probabilities; dP passes only through kept entries.
     # delta = rowsum(dO * O) is unchanged (sum_j p_j keep_j dO.v_j = dO.O).
     pk_t = p_t if keep is None else p_t * keep
     if keep is not None:
       dp_t = dp_t * keep
-    dv_scr[...] += jnp.dot(pk_t.astype(do.dtype), do, preferred_element_type=jnp.float32)
+    dv_scr[...] += _dot(cfg, pk_t.astype(do.dtype), do, _NN)
     ds_t = p_t * (dp_t - delta_ref[...])
     if capped is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
       ds_t = ds_t * (1.0 - capped * capped)
-    dk_scr[...] += jnp.dot(ds_t.astype(q.dtype), q, preferred_element_type=jnp.float32)
+    dk_scr[...] += _dot(cfg, ds_t.astype(q.dtype), q, _NN)
 
   _when_visited(step, update)
 
@@ -752,15 +776,14 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
       s = jnp.where(_tile_visible(cfg, tile, *seg), s, -jnp.inf)
     p = jnp.exp(s - lse_scr[:, :1])
-    dp = jax.lax.dot_general(do, v_ref[...], (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32)
+    dp = _dot(cfg, do, v_ref[...], _NT)
     keep = _dropout(cfg, offsets_ref, step, tile)
     if keep is not None:
       dp = dp * keep
     ds = p * (dp - delta_scr[:, :1])
     if capped is not None:
       ds = ds * (1.0 - capped * capped)
-    dq_scr[...] += jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    dq_scr[...] += _dot(cfg, ds.astype(k.dtype), k, _NN)
 
   _when_visited(step, update)
 
