@@ -164,6 +164,12 @@ class _TpuCall:
   alibi: bool = False
   dropout_rate: float = 0.0
   precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every dot (Request.precision)
+  num_kv_heads: int = 0
+  # Token-major operands: q, k, v, out, dO and the gradients stay [b, len, heads * dim] (the
+  # caller's layout, reshaped for free) and a tile is the (block, dim) window at column
+  # head * dim; legal for Mosaic when dim is a multiple of 128 lanes. Otherwise head-major
+  # copies [b, heads, len, dim] are made (a transpose each way).
+  token_major: bool = False
 
   @property
   def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
@@ -178,7 +184,8 @@ def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
   return _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
                   request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
                   offsets_static, interpret, request.num_heads, request.has_alibi,
-                  request.dropout_rate, request.precision)
+                  request.dropout_rate, request.precision, request.num_kv_heads,
+                  request.head_dim % LANES == 0 and request.head_dim_v % LANES == 0)
 
 
 def grid_steps(request: Request, args: Args) -> int | None:
@@ -195,9 +202,20 @@ def grid_steps(request: Request, args: Args) -> int | None:
   return request.batch * request.num_heads * row_steps.shape[-1] * int(row_steps.max())
 
 
-def _to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d]
-  x = jnp.swapaxes(x, 1, 2)
-  return jnp.pad(x, ((0, 0), (0, 0), (0, length - x.shape[2]), (0, 0)))
+def _to_kernel(cfg: _TpuCall, x, length):
+  """[b, len, h, d] -> the kernels' layout, padded to `length` tokens: [b, len_pad, h * d]
+  (token-major, a free reshape when no padding is needed) or [b, h, len_pad, d]."""
+  b, t, h, d = x.shape
+  if cfg.token_major:
+    return jnp.pad(x.reshape(b, t, h * d), ((0, 0), (0, length - t), (0, 0)))
+  return jnp.pad(jnp.swapaxes(x, 1, 2), ((0, 0), (0, 0), (0, length - t), (0, 0)))
+
+
+def _from_kernel(cfg: _TpuCall, x, length: int, heads: int):
+  """The kernels' layout -> [b, length, heads, d] (the padding sliced off)."""
+  if cfg.token_major:
+    return x[:, :length].reshape(x.shape[0], length, heads, -1)
+  return jnp.swapaxes(x[:, :, :length], 1, 2)
 
 
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
@@ -220,10 +238,9 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
                                request=request, args=args, interpret=interpret)
     return out.astype(q.dtype), lse
   cfg, q_pad, kv_pad, offsets = _prepare(request, args, interpret, q.shape[0])
-  out, lse = _flash(cfg, _to_kernel_layout(q, q_pad), _to_kernel_layout(k, kv_pad),
-                    _to_kernel_layout(v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
-  out = jnp.swapaxes(out[:, :, :request.q_len], 1, 2)
-  return out, lse[:, :, 0, :request.q_len]
+  out, lse = _flash(cfg, _to_kernel(cfg, q, q_pad), _to_kernel(cfg, k, kv_pad),
+                    _to_kernel(cfg, v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
+  return _from_kernel(cfg, out, request.q_len, request.num_heads), lse[:, :, 0, :request.q_len]
 
 
 def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Args,
@@ -240,12 +257,12 @@ def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Ar
     return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
   cfg, q_pad, kv_pad, offsets = _prepare(request, args, interpret, q.shape[0])
   dq, dk, dv = _backward_from_stats(
-      cfg, _to_kernel_layout(q, q_pad), _to_kernel_layout(k, kv_pad), _to_kernel_layout(v, kv_pad),
+      cfg, _to_kernel(cfg, q, q_pad), _to_kernel(cfg, k, kv_pad), _to_kernel(cfg, v, kv_pad),
       args.q_segment_ids, args.kv_segment_ids, offsets,
-      _row_stat(lse, q_pad), _row_stat(delta, q_pad), _to_kernel_layout(d_out.astype(q.dtype), q_pad))
-  dq = jnp.swapaxes(dq[:, :, :request.q_len], 1, 2)
-  dk = jnp.swapaxes(dk[:, :, :request.kv_len], 1, 2)
-  return dq, dk, jnp.swapaxes(dv[:, :, :request.kv_len], 1, 2)
+      _row_stat(lse, q_pad), _row_stat(delta, q_pad), _to_kernel(cfg, d_out.astype(q.dtype), q_pad))
+  return (_from_kernel(cfg, dq, request.q_len, request.num_heads),
+          _from_kernel(cfg, dk, request.kv_len, request.num_kv_heads),
+          _from_kernel(cfg, dv, request.kv_len, request.num_kv_heads))
 
 
 def _row_stat(x, length):  # [b, h, q] -> [b, h, 1, q_pad] float32
@@ -334,6 +351,7 @@ class _Grid:
 
   kv_major: bool
   has_segments: bool
+  token_major: bool
   batch: int
   heads: int
   group: int
@@ -389,13 +407,17 @@ class _Grid:
       return pick(w.batch, w.q_head, w.kv_head, w.q_block, w.kv_block)
     return pl.BlockSpec(block_shape, index_map)
 
-  def q_tile(self, width):  # q, dO, out, dQ: [b, h, q_pad, width]
+  def q_tile(self, width):  # q, dO, out, dQ: [b, q_pad, h * width] or [b, h, q_pad, width]
+    if self.token_major:
+      return self._spec((None, self.block_q, width), lambda b, h, kh, qb, kb: (b, qb, h))
     return self._spec((None, None, self.block_q, width), lambda b, h, kh, qb, kb: (b, h, qb, 0))
 
   def q_row(self):  # lse, D: [b, h, 1, q_pad]
     return self._spec((None, None, 1, self.block_q), lambda b, h, kh, qb, kb: (b, h, 0, qb))
 
-  def kv_tile(self, width):  # k, v, dK, dV: [b, kv_heads, kv_pad, width]
+  def kv_tile(self, width):  # k, v, dK, dV: [b, kv_pad, kv_heads * width] or [b, kv_heads, kv_pad, width]
+    if self.token_major:
+      return self._spec((None, self.block_kv, width), lambda b, h, kh, qb, kb: (b, kb, kh))
     return self._spec((None, None, self.block_kv, width), lambda b, h, kh, qb, kb: (b, kh, kb, 0))
 
   def segment_rows(self):  # q and kv segment ids: [b, 1, len_pad]
@@ -488,7 +510,8 @@ def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool
         jnp.stack(masks.block_segments(kv_seg, cfg.kv_len, block_kv, cfg.spec), -1).reshape(-1)])
   else:
     tiles = jnp.zeros((1,), jnp.int32)
-  grid = _Grid(kv_major, cfg.has_segments, q.shape[0], q.shape[1], q.shape[1] // k.shape[1],
+  grid = _Grid(kv_major, cfg.has_segments, cfg.token_major, q.shape[0], cfg.num_heads,
+               cfg.num_heads // cfg.num_kv_heads,
                -(-cfg.q_len // block_q), -(-cfg.kv_len // block_kv), block_q, block_kv)
   return grid, steps, (jnp.asarray(plan), tiles.astype(jnp.int32))
 
@@ -676,9 +699,19 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
     lse_ref[...] = jnp.transpose(lse)[:1, :]  # [bq, 128] column -> [1, bq] row
 
 
+def _dims(cfg: _TpuCall, q, k):
+  """(batch, heads, q_pad, kv_pad, head_dim, head_dim_v) of kernel-layout operands."""
+  length_axis = 1 if cfg.token_major else 2
+  return (q.shape[0], cfg.num_heads, q.shape[length_axis], k.shape[length_axis], cfg.head_dim,
+          cfg.head_dim_v)
+
+
+def _operand_shape(cfg: _TpuCall, b: int, h: int, length: int, d: int) -> tuple[int, ...]:
+  return (b, length, h * d) if cfg.token_major else (b, h, length, d)
+
+
 def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
-  b, h, q_pad, d = q.shape
-  kv_pad, dv = k.shape[2], v.shape[3]
+  b, h, q_pad, kv_pad, d, dv = _dims(cfg, q, k)
   grid, steps, tables = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
   block_q = grid.block_q
   inputs, in_specs = [q, k, v], [grid.q_tile(d), grid.kv_tile(d), grid.kv_tile(dv)]
@@ -688,7 +721,7 @@ def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
     inputs += [_segment_rows(q_seg, q_pad), _segment_rows(kv_seg, kv_pad)]
     in_specs += grid.segment_rows()
     scratch.append(pltpu.VMEM((block_q, LANES), jnp.int32))
-  out_shape = [jax.ShapeDtypeStruct((b, h, q_pad, dv), q.dtype),
+  out_shape = [jax.ShapeDtypeStruct(_operand_shape(cfg, b, h, q_pad, dv), q.dtype),
                jax.ShapeDtypeStruct((b, h, 1, q_pad), jnp.float32)]
   cost = _cost(cfg, b, h, 2 * cfg.head_dim + 2 * cfg.head_dim_v,
                _nbytes(q, *out_shape) + _nbytes(k, v) * grid.num_outer)
@@ -793,8 +826,7 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
 
 
 def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do):
-  b, h, q_pad, d = q.shape
-  kv_pad, dv = k.shape[2], v.shape[3]
+  b, h, q_pad, kv_pad, d, dv = _dims(cfg, q, k)
   seg_inputs = []
   if cfg.has_segments:
     seg_inputs = [_segment_rows(q_seg, q_pad), _segment_rows(kv_seg, kv_pad)]
@@ -849,9 +881,39 @@ def _flash_bwd(cfg: _TpuCall, residuals, cotangents):
   # backward block beyond the forward grid (block sizes differ), where out and lse were never
   # written: give them lse = +inf and D = 0, so p = 0 there, never NaN. Rows that see no key get
   # lse = +inf too (p = exp(s - inf) = 0, never exp(+inf)).
-  delta = jnp.sum(d_out.astype(jnp.float32) * out.astype(jnp.float32), axis=-1)[:, :, None, :] - d_lse
+  delta = _row_delta(cfg, out, d_out) - d_lse
   dq, dk, dv = _backward_from_stats(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out)
   return dq, dk, dv, None, None, None
+
+
+def _delta_kernel(o_ref, do_ref, delta_ref):
+  rows = jnp.sum(o_ref[...].astype(jnp.float32) * do_ref[...].astype(jnp.float32), axis=1,
+                 keepdims=True)  # [bq, 1]
+  delta_ref[...] = jnp.transpose(jnp.broadcast_to(rows, (rows.shape[0], LANES)))[:1, :]
+
+
+def _row_delta(cfg: _TpuCall, out, d_out):
+  """rowsum(dO * O) [b, h, 1, q_pad] float32, tile by tile in the kernels' layout.
+
+  In XLA this product would be a [b, len, h, dv] float32 temporary plus, for token-major
+  operands, a relayout copy of it (the reduction axis is a lane slice of the fused h * dv axis);
+  here it is one read of O and dO.
+  """
+  b, h, q_pad, _, _, dv = _dims(cfg, out, out)
+  block_q = cfg.bwd[0]
+  if cfg.token_major:
+    tile = pl.BlockSpec((None, block_q, dv), lambda b, h, i: (b, i, h))
+  else:
+    tile = pl.BlockSpec((None, None, block_q, dv), lambda b, h, i: (b, h, i, 0))
+  return pl.pallas_call(
+      _delta_kernel, grid=(b, h, q_pad // block_q), in_specs=[tile, tile],
+      out_specs=pl.BlockSpec((None, None, 1, block_q), lambda b, h, i: (b, h, 0, i)),
+      out_shape=jax.ShapeDtypeStruct((b, h, 1, q_pad), jnp.float32),
+      compiler_params=_compiler_params(("parallel",) * 3),
+      cost_estimate=pl.CostEstimate(flops=2 * b * h * q_pad * dv, transcendentals=0,
+                                    bytes_accessed=_nbytes(out, d_out)),
+      interpret=_interpret_arg(cfg.interpret), name="flash_layers_bwd_delta",
+  )(out, d_out)
 
 
 def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out):
