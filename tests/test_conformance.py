@@ -44,6 +44,7 @@ CASES = [
     ("xla_dense", None),
     ("flash_pallas", "tpu"),
     ("flash_pallas", "gpu"),
+    ("jax_splash", "tpu"),
 ]
 
 # Features a case refuses by design (docs/contract.md feature table) -> the suite expects UnsupportedError.
@@ -51,6 +52,7 @@ REFUSED = {
     ("xla_native", None): ("softcap", "head_dim_v", "dropout"),
     ("flash_pallas", "tpu"): ("dense bias",),
     ("flash_pallas", "gpu"): ("dense bias",),
+    ("jax_splash", "tpu"): ("dropout", "alibi", "dense bias", "global tokens"),
 }
 
 F32_TOL = 1e-5
@@ -107,6 +109,10 @@ class Config:
       used.add("dropout")
     if self.bias is not None:
       used.add("dense bias")
+    if self.alibi:
+      used.add("alibi")
+    if self.global_tokens:
+      used.add("global tokens")
     return used
 
 
