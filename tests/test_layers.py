@@ -140,7 +140,8 @@ def case_setup(case):
 # The NNX layer makes the same attend_heads call as the linen one; flash_pallas and jax_splash (slow
 # in interpret mode) run for linen only.
 INTERPRETED = ("flash_pallas", "jax_splash")
-IMPL_KINDS = [(impl, "linen") for impl in IMPLS] + [(impl, "nnx") for impl in IMPLS if impl not in INTERPRETED]
+IMPL_KINDS = ([(impl, "linen") for impl in IMPLS]
+              + [(impl, "nnx") for impl in IMPLS if impl not in INTERPRETED])
 
 
 @pytest.mark.parametrize(("impl", "kind"), IMPL_KINDS)

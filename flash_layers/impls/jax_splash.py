@@ -138,7 +138,7 @@ def _static_mask(rule: _Rule, shape: tuple[int, int]):
 # Block sizes
 # ----------------------------------------------------------------------------
 
-def _block_sizes(request: Request):
+def splash_block_sizes(request: Request):
   """splash `BlockSizes` for the request, each clipped to the 128-rounded length."""
   kernel, _ = _splash()
   sizes = request.block_sizes
@@ -290,7 +290,7 @@ def splash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
     out, lse = splash_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32),
                                 request=request, args=args, interpret=interpret)
     return out.astype(q.dtype), lse
-  sizes = _block_sizes(request)
+  sizes = splash_block_sizes(request)
   q_pad, kv_pad = _padded_lengths(request, sizes)
   rule = _Rule(offset=_static_offset(args, request), causal=request.spec.causal,
                window=request.spec.window, kv_len=request.kv_len if kv_pad != request.kv_len else None)
@@ -334,7 +334,7 @@ class JaxSplash:
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(blocks visited, blocks total) of the forward schedule over batch and heads. Splash skips
     blocks by the static mask only, so segment ids do not reduce the count."""
-    sizes = _block_sizes(request)
+    sizes = splash_block_sizes(request)
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              sizes.block_q, sizes.block_kv, request.spec, None, None,
                              args.q_offset, args.kv_offset)
