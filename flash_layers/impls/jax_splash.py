@@ -204,18 +204,23 @@ def _segments(call: _SplashCall, q_seg, kv_seg):
 
 
 def _forward(call: _SplashCall, q, k, v, q_seg, kv_seg):
-  """([b, h, T, dv] out, [b, h, T] lse as splash computed it, [b, h, T] rows seeing no key)."""
+  """splash's ([b, h, T, dv] out, [b, h, T] lse) and the [b, h, T] rows that see no key. The
+  output is left as splash wrote it (garbage in empty rows): `_zero_empty` is applied where it
+  fuses into a consumer, so no second output-sized buffer is kept."""
   run = _kernel(call)
   out, (lse,) = jax.vmap(lambda q, k, v, seg: run(q, k, v, segment_ids=seg))(
       q, k, v, _segments(call, q_seg, kv_seg))
-  empty = lse <= _empty_threshold()
-  return jnp.where(empty[..., None], jnp.zeros((), out.dtype), out), lse, empty
+  return out, lse, lse <= _empty_threshold()
+
+
+def _zero_empty(x, empty):
+  return jnp.where(empty[..., None], jnp.zeros((), x.dtype), x)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _splash_attention(call: _SplashCall, q, k, v, q_seg, kv_seg):
   out, lse, empty = _forward(call, q, k, v, q_seg, kv_seg)
-  return out, jnp.where(empty, -jnp.inf, lse)
+  return _zero_empty(out, empty), jnp.where(empty, -jnp.inf, lse)
 
 
 def _splash_fwd(call: _SplashCall, q, k, v, q_seg, kv_seg):
@@ -223,7 +228,7 @@ def _splash_fwd(call: _SplashCall, q, k, v, q_seg, kv_seg):
   # The backward kernels recompute P = exp(S - lse) in every visited block; an empty row's lse
   # becomes 0 there, so its masked logits give P = 0 instead of exp(+inf).
   residuals = (q, k, v, q_seg, kv_seg, out, jnp.where(empty, 0.0, lse), empty)
-  return (out, jnp.where(empty, -jnp.inf, lse)), residuals
+  return (_zero_empty(out, empty), jnp.where(empty, -jnp.inf, lse)), residuals
 
 
 def _collapse(info):
@@ -238,9 +243,10 @@ def _splash_bwd(call: _SplashCall, residuals, cotangents):
   kernel_lib, _ = _splash()
   q, k, v, q_seg, kv_seg, out, lse, empty = residuals
   d_out, d_lse = cotangents
-  d_out = jnp.where(empty[..., None], jnp.zeros((), d_out.dtype), d_out)
+  d_out = _zero_empty(d_out, empty)
   d_lse = jnp.where(empty, 0.0, d_lse.astype(jnp.float32))
-  di = jnp.einsum("bhtd,bhtd->bht", out.astype(jnp.float32), d_out.astype(jnp.float32)) - d_lse
+  di = jnp.einsum("bhtd,bhtd->bht", _zero_empty(out, empty).astype(jnp.float32),
+                  d_out.astype(jnp.float32)) - d_lse
   run = _kernel(call)
   sizes = call.block_sizes
   common = dict(is_mqa=False, mask_value=kernel_lib.DEFAULT_MASK_VALUE,
