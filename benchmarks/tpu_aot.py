@@ -2,6 +2,10 @@
 
     python -m benchmarks.tpu_aot --generation v5e --seq-len 32768
 
+    # impls side by side (every impl x length x mask): temporaries per chip in one table
+    python -m benchmarks.tpu_aot --generation v5e --heads 8 --head-dim 128 \
+        --impls flash_pallas,jax_splash --seq-lens 8192,32768 --masks causal,full --out rows.json
+
 Needs libtpu, no TPU: `jax.experimental.topologies` describes one chip of the chosen
 generation, and `jax.grad` of `fl.attention(..., impl="flash_pallas")` is compiled for it ahead
 of time by the real Mosaic compiler (under `jax.sharding.set_mesh`, so the generation's block
@@ -24,8 +28,53 @@ def _parse(argv):
   parser = argparse.ArgumentParser(prog="python -m benchmarks.tpu_aot", description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--generation", default="v5e", choices=sorted(TOPOLOGIES))
-  add_problem_args(parser, heads=12, head_dim=64, masks=("causal", "full", "packed", "causal+packed"))
-  return parser.parse_args(argv)
+  add_problem_args(parser, heads=12, head_dim=64, masks=MASKS)
+  parser.add_argument("--impls", type=_csv, help="comma-separated impls to compile side by side "
+                      "(default: --impl)")
+  parser.add_argument("--seq-lens", type=lambda text: tuple(int(n) for n in _csv(text)),
+                      help="comma-separated lengths (default: --seq-len)")
+  parser.add_argument("--masks", type=_csv, help=f"comma-separated, of {', '.join(MASKS)} "
+                      "(default: --mask)")
+  parser.add_argument("--out", metavar="PATH", help="write every compiled cell as a JSON list")
+  args = parser.parse_args(argv)
+  bad = [m for m in args.masks or () if m not in MASKS]
+  if bad:
+    parser.error(f"--masks: {bad} not in {MASKS}")
+  return args
+
+
+MASKS = ("causal", "full", "packed", "causal+packed")
+
+
+def _csv(text: str) -> tuple[str, ...]:
+  return tuple(v for v in text.split(",") if v)
+
+
+def cells(args) -> list[argparse.Namespace]:
+  """One namespace per (mask, length, impl) of the grid options; just `args` without them."""
+  return [argparse.Namespace(**{**vars(args), "impl": impl, "seq_len": n, "mask": mask})
+          for mask in args.masks or (args.mask,) for n in args.seq_lens or (args.seq_len,)
+          for impl in args.impls or (args.impl,)]
+
+
+def side_by_side(results: list[dict]) -> str:
+  """Markdown: per-chip temporaries (MiB) of each impl, one row per (mask, length), and each
+  impl's temporaries over the first impl's."""
+  impls = list(dict.fromkeys(r["impl"] for r in results))
+  temp = {(r["shape"]["mask"], r["shape"]["seq_len"], r["impl"]): r["memory_bytes"]["temp"]
+          for r in results}
+  rows = list(dict.fromkeys((r["shape"]["mask"], r["shape"]["seq_len"]) for r in results))
+  first, others = impls[0], impls[1:]
+  head = (["mask", "tokens"] + [f"{i} temp (MiB)" for i in impls]
+          + [f"{o} / {first}" for o in others])
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  for mask, n in rows:
+    cells_ = [mask, f"{n:,}"] + [f"{temp[(mask, n, i)] / 2**20:,.2f}" for i in impls]
+    for o in others:
+      base = temp[(mask, n, first)]
+      cells_.append(f"{temp[(mask, n, o)] / base:.2f}x" if base else "-")
+    lines.append("| " + " | ".join(cells_) + " |")
+  return "\n".join(lines)
 
 
 def add_problem_args(parser: argparse.ArgumentParser, *, heads: int, head_dim: int,
@@ -52,7 +101,8 @@ def compile_step(args) -> dict:
   from jax.experimental import topologies
 
   import flash_layers as fl
-  from flash_layers import masks
+  from flash_layers import dispatch, masks
+  from flash_layers.impls import jax_splash
   from flash_layers.impls.flash_pallas import tpu
 
   try:
@@ -81,6 +131,11 @@ def compile_step(args) -> dict:
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
   pairs = masks.count_visible(args.seq_len, args.seq_len, masks.MaskSpec(causal=causal))
   d = args.head_dim
+  if args.impl == "jax_splash":
+    request, _ = dispatch.prepare(q, kv, kv, causal=causal)
+    block_sizes = f"splash {jax_splash.splash_block_sizes(request)}"
+  else:
+    block_sizes = str(tpu.default_block_sizes(args.generation))
   sizes = {name: int(getattr(memory, f"{name}_size_in_bytes")) for name in
            ("argument", "output", "temp", "generated_code")}
   try:
@@ -93,7 +148,7 @@ def compile_step(args) -> dict:
       "generation": args.generation, "device_kind": device.device_kind, "impl": args.impl,
       "shape": {"batch": args.batch, "seq_len": args.seq_len, "heads": args.heads,
                 "kv_heads": kv_heads, "head_dim": d, "dtype": args.dtype, "mask": args.mask},
-      "block_sizes": str(tpu.default_block_sizes(args.generation)),
+      "block_sizes": block_sizes,
       "memory_bytes": {**sizes, "total": sum(sizes.values())},
       "flops_compiled": float(cost.get("flops", float("nan"))),
       # forward 4d, dK/dV 8d, dQ 6d per visible pair and head (mask without segment ids)
@@ -104,6 +159,16 @@ def compile_step(args) -> dict:
 
 def main(argv=None):
   args = _parse(argv)
+  grid = cells(args)
+  if len(grid) > 1 or args.out:
+    results = []
+    for cell in grid:
+      results.append(compile_step(cell))
+      if args.out:  # a long run that is stopped keeps what it compiled
+        with open(args.out, "w") as f:
+          json.dump(results, f, indent=1)
+    print(json.dumps(results) if args.json else side_by_side(results))
+    return
   result = compile_step(args)
   if args.json:
     print(json.dumps(result))

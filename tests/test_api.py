@@ -115,7 +115,7 @@ def test_unknown_impl_lists_the_valid_names(entry, impl):
 
 
 def test_impls_are_the_contract():
-  assert fl.IMPLS == ("flash_pallas", "xla_native", "xla_chunked", "xla_dense", "reference")
+  assert fl.IMPLS == ("flash_pallas", "xla_native", "xla_chunked", "xla_dense", "reference", "jax_splash")
   assert issubclass(fl.UnsupportedError, ValueError)
 
 

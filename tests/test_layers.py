@@ -137,9 +137,11 @@ def case_setup(case):
   return layer, params, args, kwargs, value_and_grad, value_and_grad(params, "reference", "linen")
 
 
-# The NNX layer makes the same attend_heads call as the linen one; flash_pallas (slow
-# in interpret mode) runs for linen only.
-IMPL_KINDS = [(impl, "linen") for impl in IMPLS] + [(impl, "nnx") for impl in IMPLS if impl != "flash_pallas"]
+# The NNX layer makes the same attend_heads call as the linen one; flash_pallas and jax_splash (slow
+# in interpret mode) run for linen only.
+INTERPRETED = ("flash_pallas", "jax_splash")
+IMPL_KINDS = ([(impl, "linen") for impl in IMPLS]
+              + [(impl, "nnx") for impl in IMPLS if impl not in INTERPRETED])
 
 
 @pytest.mark.parametrize(("impl", "kind"), IMPL_KINDS)
@@ -220,8 +222,8 @@ def test_layer_matches_flax_mha(impl, kind):
 
 
 def _mask_impl_expectation(impl):
-  """flash_pallas never takes a dense mask; it must say so by name."""
-  if impl == "flash_pallas":
+  """The Pallas kernels (flash_pallas, jax_splash) never take a dense mask; they must say so by name."""
+  if impl in INTERPRETED:
     return pytest.raises(fl.UnsupportedError, match="dense mask")
   return None
 

@@ -9,6 +9,9 @@ x (4 head_dim + 4 head_dim_v) for dK/dV and x (4 head_dim + 2 head_dim_v) for dQ
 
 The shapes are chosen to cover head_dim 32/64/128, 1,000/2,048/8,192 tokens, causal and packed
 segment ids, GQA and MQA, in bfloat16, with a few compiles per generation.
+
+`impl="jax_splash"` (JAX's splash attention behind our contract) compiles the same way, forward
+and forward + backward, to splash's own Mosaic kernels.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ def _device(generation: str):
   return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices[0]
 
 
-def _compile(generation: str, shape: Shape, dtype=jnp.bfloat16, **kwargs):
+def _compile(generation: str, shape: Shape, dtype=jnp.bfloat16, impl="flash_pallas", **kwargs):
   device = _device(generation)
   placed = jax.sharding.SingleDeviceSharding(device)
   q = jax.ShapeDtypeStruct((1, shape.tokens, shape.heads, shape.head_dim), dtype, sharding=placed)
@@ -69,7 +72,7 @@ def _compile(generation: str, shape: Shape, dtype=jnp.bfloat16, **kwargs):
   seg = jax.ShapeDtypeStruct((1, shape.tokens), jnp.int32, sharding=placed)
 
   def attention(q, k, v, seg):
-    return fl.attention(q, k, v, impl="flash_pallas", causal=shape.causal,
+    return fl.attention(q, k, v, impl=impl, causal=shape.causal,
                         segment_ids=seg if shape.packed else None, **kwargs)
 
   f = attention
@@ -151,3 +154,23 @@ def test_dropout_and_alibi_compile_with_no_extra_memory():
   without = plain.memory_analysis().temp_size_in_bytes
   with_dropout = extra.memory_analysis().temp_size_in_bytes
   assert with_dropout <= 1.2 * without, (with_dropout, without)
+
+
+SPLASH_SHAPES = [
+    Shape("fwd_causal_packed_2048_d128_gqa", 2048, 4, 2, 128, causal=True, packed=True, grad=False),
+    Shape("grad_causal_packed_2048_d128_gqa", 2048, 4, 2, 128, causal=True, packed=True),
+]
+
+
+@pytest.mark.parametrize("shape", SPLASH_SHAPES, ids=lambda s: s.name)
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+def test_jax_splash_compiles_to_splash_kernels(generation, shape):
+  """The TPU branch of jax_splash is splash's Mosaic kernels: its forward with residuals (our
+  custom VJP keeps the logsumexp) and, for the gradient, its dK/dV and dQ kernels; nothing
+  interpreted."""
+  hlo = _compile(generation, shape, impl="jax_splash").as_text()
+  expected = ["splash_mha_fwd_segmented_residuals"]
+  if shape.grad:
+    expected += ["splash_mha_dkv_segmented_no_residuals", "splash_mha_dq_segmented_no_residuals"]
+  assert _mosaic_kernels(hlo) == sorted(expected), hlo[:2000]
+  assert "callback" not in hlo
