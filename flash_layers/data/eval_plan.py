@@ -20,7 +20,7 @@ of that length: on BBC News at max_len 4,096, one 4,096-token article took seven
 slots with it, 45% of the evaluation's CPU time for 24% of its tokens (docs/benchmarks.md,
 "Evaluation cost vs max_len"). A batch therefore holds at most batch_size * row_tokens token
 slots (at least `row_multiple` rows): a lone long window gets a batch of one or a few rows, and
-the short windows stay in short rows, where no attention crosses into a long row's padding.
+the short windows stay in rows of their own short buckets.
 
 The plan is global, so all processes run the same steps with the same shapes, and process p
 takes rows [p * local, (p + 1) * local) of each batch (local = the batch's rows / process_count).
