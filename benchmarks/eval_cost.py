@@ -11,17 +11,24 @@ over `data.eval_batches`) on MiniLM's tokenization of the split. Each case:
   packed:  the default: documents packed into rows bucketed by length (data.eval_plan);
   padded:  one document per row, every row padded to max_len (evaluation before packing).
 
+A batch of rows longer than 512 tokens holds proportionally fewer rows (`eval_plan.rows_per_batch`),
+so `batch_shapes` lists [rows, length] per distinct batch shape.
+
 The time is process CPU time (all of XLA's threads), not wall time, so a busy machine changes it
-little. Each case first runs one batch of every row shape (compiles; reported apart), then the
-whole split once (timed). Also reported: the real-token fraction of the evaluated rows, the
-number of batches and of distinct row lengths.
+less. Each case first runs one batch of every row shape (compiles; reported apart); then, round
+after round (`--rounds`, 3), every case evaluates the whole split once, so a change in the
+machine's load falls on all cases alike; the median round counts (every round is in the JSON).
+Also reported: the real-token fraction of the evaluated rows, the number of batches and of
+distinct row lengths.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
+from collections.abc import Callable
 
 import jax
 import numpy as np
@@ -35,7 +42,10 @@ from flash_layers.training import steps as steps_lib
 MINILM = dict(vocab_size=30522, hidden_size=384, num_heads=12, mlp_dim=1536)  # all-MiniLM-L6-v2's shape
 
 
-def run_case(max_len: int, mode: str, batch_size: int, max_docs: int, num_layers: int, texts, labels) -> dict:
+def prepare_case(max_len: int, mode: str, batch_size: int, max_docs: int, num_layers: int, texts,
+                 labels) -> tuple[dict, Callable[[], tuple[float, float]]]:
+  """(the case's record without times, a function that evaluates the split once -> (CPU s, wall s)).
+  Compiles every row shape first (one batch of each), timing that as warmup_cpu_s."""
   model = models.Bert(**MINILM, num_layers=num_layers, max_len=max_len, num_labels=5, impl="auto",
                       pooling="mean", dropout_rate=0.0)
   params = models.init_params(model, jax.random.key(0))
@@ -56,17 +66,22 @@ def run_case(max_len: int, mode: str, batch_size: int, max_docs: int, num_layers
   start = time.process_time()
   evaluate_lib.evaluate(step, params, iter(warm.values()), len(warm), mesh, num_labels=5)
   compile_s = time.process_time() - start
-  start, wall = time.process_time(), time.perf_counter()
-  result = evaluate_lib.evaluate(step, params, iter(batches), len(batches), mesh, num_labels=5)
-  cpu_s, wall_s = time.process_time() - start, time.perf_counter() - wall
-  return {"max_len": max_len, "mode": mode, "num_layers": num_layers, "batch_size": batch_size,
-          "max_docs_per_row": max_docs,
-          "documents": result["count"], "batches": len(batches),
-          "row_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
-          "real_tokens": int(sum(np.count_nonzero(b["segment_ids"]) for b in batches)),
-          "real_token_fraction": round(eval_plan.real_token_fraction(batches), 4),
-          "eval_cpu_s": round(cpu_s, 2), "eval_wall_s": round(wall_s, 2),
-          "warmup_cpu_s": round(compile_s, 2)}
+  record = {"max_len": max_len, "mode": mode, "num_layers": num_layers, "batch_size": batch_size,
+            "max_docs_per_row": max_docs, "documents": None, "batches": len(batches),
+            "row_lengths": sorted({int(b["input_ids"].shape[1]) for b in batches}),
+            "batch_shapes": sorted({tuple(map(int, b["input_ids"].shape)) for b in batches},
+                                   key=lambda s: s[::-1]),
+            "real_tokens": int(sum(np.count_nonzero(b["segment_ids"]) for b in batches)),
+            "real_token_fraction": round(eval_plan.real_token_fraction(batches), 4),
+            "warmup_cpu_s": round(compile_s, 2)}
+
+  def timed_pass() -> tuple[float, float]:
+    start, wall = time.process_time(), time.perf_counter()
+    result = evaluate_lib.evaluate(step, params, iter(batches), len(batches), mesh, num_labels=5)
+    record["documents"] = result["count"]
+    return time.process_time() - start, time.perf_counter() - wall
+
+  return record, timed_pass
 
 
 def main(argv=None):
@@ -79,6 +94,8 @@ def main(argv=None):
   p.add_argument("--max-docs", type=int, default=8)
   p.add_argument("--layers", type=int, default=6,
                  help="encoder layers (MiniLM: 6; all alike, so the 512/4,096 ratio does not depend on it)")
+  p.add_argument("--rounds", type=int, default=3,
+                 help="timed passes per case, interleaved; the median counts")
   p.add_argument("--json", metavar="PATH")
   args = p.parse_args(argv)
   records = data.load("bbc_news", split="test")
@@ -87,15 +104,24 @@ def main(argv=None):
   cases = [(n, "packed") for n in lengths if "packed" in args.modes]
   if "padded" in args.modes:
     cases.insert(0, (lengths[0], "padded"))
+  prepared = [prepare_case(max_len, mode, args.batch_size, args.max_docs, args.layers, texts, labels)
+              for max_len, mode in cases]
+  # Round after round, every case once: a change of the machine's load hits all cases alike.
+  times = [[timed() for _, timed in prepared] for _ in range(args.rounds)]
   rows = []
-  for max_len, mode in cases:
-    rows.append(run_case(max_len, mode, args.batch_size, args.max_docs, args.layers, texts, labels))
-    print(json.dumps(rows[-1]), flush=True)
+  for i, (record, _) in enumerate(prepared):
+    cpu, wall = [t[i][0] for t in times], [t[i][1] for t in times]
+    record.update(eval_cpu_s=round(statistics.median(cpu), 2), eval_wall_s=round(statistics.median(wall), 2),
+                  eval_cpu_s_rounds=[round(x, 2) for x in cpu])
+    rows.append(record)
+    print(json.dumps(record), flush=True)
   packed = {r["max_len"]: r for r in rows if r["mode"] == "packed"}
   summary = {}
   if len(packed) >= 2:
     lo, hi = packed[min(packed)], packed[max(packed)]
     summary = {"ratio_eval_cpu": round(hi["eval_cpu_s"] / lo["eval_cpu_s"], 3),
+               "ratio_eval_cpu_rounds": [round(a / b, 3) for a, b in zip(
+                   hi["eval_cpu_s_rounds"], lo["eval_cpu_s_rounds"], strict=True)],
                "ratio_with_warmup": round((hi["eval_cpu_s"] + hi["warmup_cpu_s"])
                                           / (lo["eval_cpu_s"] + lo["warmup_cpu_s"]), 3),
                "ratio_real_tokens": round(hi["real_tokens"] / lo["real_tokens"], 3)}

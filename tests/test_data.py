@@ -430,14 +430,57 @@ def test_eval_batches_hold_every_window_once_with_its_document(pack):
   assert fraction > padded + 0.2
 
 
-def test_eval_batches_split_one_global_plan_between_processes():
+def test_rows_per_batch_shrinks_for_rows_longer_than_row_tokens():
+  rows = data.eval_plan.rows_per_batch
+  assert [rows(n, batch_size=8, row_tokens=512) for n in (128, 512, 640, 1024, 1280, 4096, 9000)] == [
+      8, 8, 6, 4, 3, 1, 1]
+  by_four = [rows(n, batch_size=8, row_tokens=512, row_multiple=4) for n in (512, 640, 1024, 4096)]
+  assert by_four == [8, 4, 4, 4]
+  assert rows(4096, batch_size=8, row_tokens=None) == 8
+  with pytest.raises(ValueError, match="multiple of row_multiple=3"):
+    rows(64, batch_size=8, row_tokens=16, row_multiple=3)
+
+
+def test_eval_batches_give_a_long_tail_small_batches_and_keep_short_documents_short():
+  # 60 short documents (3-22 tokens) and a tail of long ones: one of 64 tokens (a bucket of its
+  # own), then 30, 26 and 22.
+  records = short_records(60, seed=5) + [{"text": " ".join(["3"] * n), "label": 1} for n in (62, 28, 24, 20)]
+  tok = data.TextTokenizer("listops", max_len=64)
+  texts, labels = [r["text"] for r in records], [r["label"] for r in records]
+  want = collections.Counter((tuple(w[0]), label) for w, label in zip(tok.encode(texts), labels, strict=True))
+  kw = dict(batch_size=4, max_docs_per_row=3, buckets=(8, 16, 32, 64))
+  small = data.eval_batches(texts, labels, tok, row_tokens=16, **kw)
+  full = data.eval_batches(texts, labels, tok, row_tokens=None, **kw)
+  for batches in (small, full):
+    for b in batches:
+      b.pop("doc_ids")
+    assert collections.Counter(documents_in(batches)) == want
+  shapes = [b["input_ids"].shape for b in small]
+  assert shapes[0] == (1, 64) and shapes[1] == (2, 32)  # 4 * 16 slots: one row of 64, two of 32
+  assert all(rows == 4 for rows, n in shapes if n <= 16)
+  assert all(rows * n <= max(4 * 16, n) for rows, n in shapes)
+  # Fixed batch_size rows put three more rows of short documents next to the 64-token one, where
+  # attention spans 64 keys; with the budget, no document under 33 tokens is in a 64-token row.
+  def in_long_rows(batches):
+    return sorted(int((seg == d).sum()) for b in batches if b["segment_ids"].shape[1] == 64
+                  for seg in b["segment_ids"] for d in range(1, seg.max() + 1))
+  assert in_long_rows(small) == [64]
+  assert full[0]["input_ids"].shape == (4, 64) and len(in_long_rows(full)) > 4
+  assert sum(b["segment_ids"].size for b in small) < sum(b["segment_ids"].size for b in full)
+
+
+@pytest.mark.parametrize("row_tokens", [512, 16])
+def test_eval_batches_split_one_global_plan_between_processes(row_tokens):
   records = short_records(41, seed=4)
   tok = data.TextTokenizer("listops", max_len=32)
   args = ([r["text"] for r in records], [r["label"] for r in records], tok)
-  single = data.eval_batches(*args, batch_size=6, buckets=(16, 32))
-  shards = [data.eval_batches(*args, batch_size=6, buckets=(16, 32), process_index=i, process_count=3)
-            for i in range(3)]
+  kw = dict(batch_size=6, buckets=(16, 32), row_tokens=row_tokens)
+  single = data.eval_batches(*args, row_multiple=3, **kw)
+  shards = [data.eval_batches(*args, process_index=i, process_count=3, **kw) for i in range(3)]
   assert all(len(s) == len(single) for s in shards)
+  # With 16-token rows as the budget, 32-token rows come 6 * 16 // 32 = 3 (one per process) to a batch.
+  assert {b["input_ids"].shape[0] for b in single if b["input_ids"].shape[1] == 32} == {
+      6 if row_tokens == 512 else 3}
   for step, batch in enumerate(single):
     for key, value in batch.items():
       np.testing.assert_array_equal(np.concatenate([s[step][key] for s in shards]), value)

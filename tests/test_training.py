@@ -651,3 +651,26 @@ def test_evaluate_scores_each_document_once_from_its_windows(aggregation):
   log_probs = doc_logits - np.log(np.exp(doc_logits).sum(-1, keepdims=True))
   assert result["loss"] == pytest.approx(-np.mean(log_probs[np.arange(len(texts)), labels]), rel=1e-5)
   np.testing.assert_allclose(result["probabilities"], np.exp(log_probs), rtol=1e-5)
+
+
+def test_planned_eval_batches_keep_rows_divisible_over_the_mesh_batch_axes():
+  import types
+
+  from flash_layers import data as data_lib
+  from flash_layers.training import task as task_lib
+
+  mesh = types.SimpleNamespace(shape={"data": 2, "fsdp": 2, "tensor": 1, "sequence": 1})  # 4 batch shards
+  config = config_lib.default_config()
+  config.data.max_docs_per_row = 2
+  tok = data_lib.TextTokenizer("listops", max_len=1024)
+  lengths = [1000, 1000, 1000, 1000, 600, 550, 500] + [40] * 12
+  texts = [" ".join(["5"] * (n - 2)) for n in lengths]  # the tokenizer adds two tokens
+  config.data.eval_batch_size = 8
+  batches = task_lib.planned_eval_batches(config, texts, [0] * len(texts), tok, mesh)
+  # 1,024-token rows come 8 * 512 // 1024 = 4 to a batch, 640-token rows 6 -> 4: multiples of 4.
+  shapes = [b["input_ids"].shape for b in batches]
+  assert shapes[:2] == [(4, 1024), (4, 640)] and all(rows in (4, 8) for rows, _ in shapes)
+  assert sorted(int(d) for b in batches for d in b["doc_ids"].ravel() if d >= 0) == list(range(len(texts)))
+  config.data.eval_batch_size = 6
+  with pytest.raises(config_lib.ConfigError, match="must divide over the data\\*fsdp=4 shards"):
+    task_lib.planned_eval_batches(config, texts, [0] * len(texts), tok, mesh)

@@ -6,14 +6,25 @@ once and its order does not matter, so it is planned up front over the whole spl
     tokenize every document (its windows with long_docs="windows")
     sort the windows longest first
     batch after batch: row length L = the smallest bucket >= the longest window left;
-      each of the batch's rows takes the longest window left, then packs the shortest ones
+      the batch has rows_per_batch(L) rows (batch_size, fewer for rows longer than row_tokens);
+      each of its rows takes the longest window left, then packs the shortest ones
       left into its free room (at most max_docs per row)
 
 Buckets are a short ladder of lengths (multiples of `granule`, at most ~1/4 octave apart), so a
-batch wastes little padding and the eval step compiles for a handful of shapes. Every batch has
-`batch_size` rows: the plan is global, so all processes run the same steps with the same shapes,
-and process p takes rows [p * local, (p + 1) * local) of each batch. The metrics therefore do not
-depend on the number of processes.
+batch wastes little padding and the eval step compiles for a handful of shapes.
+
+Why long rows come fewer to a batch: a batch's rows all take the length of its longest window.
+In the sparse tail of long documents the next-longest windows are much shorter, so batch_size
+rows of the longest bucket would pad them (or pack the shortest windows of the split) into rows
+of that length: on BBC News at max_len 4,096, one 4,096-token article took seven rows of 4,096
+slots with it, 45% of the evaluation's CPU time for 24% of its tokens (docs/benchmarks.md,
+"Evaluation cost vs max_len"). A batch therefore holds at most batch_size * row_tokens token
+slots (at least `row_multiple` rows): a lone long window gets a batch of one or a few rows, and
+the short windows stay in rows of their own short buckets.
+
+The plan is global, so all processes run the same steps with the same shapes, and process p
+takes rows [p * local, (p + 1) * local) of each batch (local = the batch's rows / process_count).
+The metrics therefore do not depend on the number of processes.
 
 Each batch is the dict of pipeline.py (input_ids, segment_ids, positions, labels [rows,
 max_docs]) plus `doc_ids` [rows, max_docs]: the index of the document a slot's window belongs
@@ -23,7 +34,9 @@ to, -1 for an empty slot. A document split into windows has several slots with i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 
@@ -31,6 +44,10 @@ from flash_layers.data.pipeline import pack_rows
 from flash_layers.data.tokenize import TextTokenizer
 
 AGGREGATIONS = ("mean", "max")
+
+# Rows up to this many tokens come batch_size to a batch; longer ones proportionally fewer
+# (module doc). 512 keeps the batches of a model with max_len <= 512 as they were.
+ROW_TOKENS = 512
 
 
 def length_buckets(max_len: int, granule: int = 128) -> tuple[int, ...]:
@@ -49,9 +66,27 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   return next(b for b in buckets if b >= n)
 
 
+def rows_per_batch(row_len: int, *, batch_size: int, row_tokens: int | None, row_multiple: int = 1) -> int:
+  """Rows in a batch of `row_len`-token rows: batch_size, or as many as fit in batch_size *
+  row_tokens slots, rounded down to a multiple of row_multiple (at least row_multiple)."""
+  if batch_size % row_multiple:
+    raise ValueError(f"batch_size={batch_size} must be a multiple of row_multiple={row_multiple}")
+  if row_tokens is None or row_len <= row_tokens:
+    return batch_size
+  rows = batch_size * row_tokens // row_len // row_multiple * row_multiple
+  return max(row_multiple, rows)
+
+
+class PlannedBatch(NamedTuple):
+  row_len: int  # tokens per row
+  num_rows: int  # rows over all processes (rows beyond len(rows) are empty)
+  rows: list[list[int]]  # example indices per row
+
+
 def plan_batches(lengths: Sequence[int], *, batch_size: int, max_docs: int, buckets: Sequence[int],
-                 pack: bool = True) -> list[tuple[int, list[list[int]]]]:
-  """[(row length, rows of example indices)]: every example once, longest first (module doc)."""
+                 pack: bool = True, row_tokens: int | None = None,
+                 row_multiple: int = 1) -> list[PlannedBatch]:
+  """Every example once, longest first (module doc). row_tokens=None: batch_size rows per batch."""
   if not lengths:
     return []
   if max(lengths) > buckets[-1]:
@@ -61,8 +96,10 @@ def plan_batches(lengths: Sequence[int], *, batch_size: int, max_docs: int, buck
   plan = []
   while lo < hi:
     row_len = _bucket(lengths[order[lo]], buckets)
+    num_rows = rows_per_batch(row_len, batch_size=batch_size, row_tokens=row_tokens,
+                              row_multiple=row_multiple)
     rows = []
-    while len(rows) < batch_size and lo < hi:
+    while len(rows) < num_rows and lo < hi:
       row, used = [order[lo]], lengths[order[lo]]
       lo += 1
       while pack and lo < hi and len(row) < max_docs and used + lengths[order[hi - 1]] <= row_len:
@@ -70,24 +107,30 @@ def plan_batches(lengths: Sequence[int], *, batch_size: int, max_docs: int, buck
         row.append(order[hi])
         used += lengths[order[hi]]
       rows.append(row)
-    plan.append((row_len, rows))
+    plan.append(PlannedBatch(row_len, num_rows, rows))
   return plan
 
 
 def eval_batches(texts: Sequence[str], labels: Sequence[int] | None, tokenizer: TextTokenizer, *,
                  batch_size: int, max_docs_per_row: int = 8, pack: bool = True,
-                 buckets: Sequence[int] | None = None, process_index: int = 0,
+                 buckets: Sequence[int] | None = None, row_tokens: int | None = ROW_TOKENS,
+                 row_multiple: int = 1, process_index: int = 0,
                  process_count: int = 1) -> list[dict[str, np.ndarray]]:
   """This process's rows of every evaluation batch (module docstring).
 
   Args:
     texts: the documents; labels: their int labels, or None (prediction: labels -1).
     tokenizer: a TextTokenizer; its long_docs decides truncation or windows.
-    batch_size: rows per batch over all processes (a multiple of process_count).
+    batch_size: the most rows in a batch over all processes (a multiple of process_count and
+      row_multiple).
     max_docs_per_row: with pack, the most windows in a row (labels' and doc_ids' second dim).
     pack: pack short windows into a row's free room; False = one window per row.
     buckets: allowed row lengths, ascending, the last >= every window (default
       `length_buckets(tokenizer.max_len)`); (tokenizer.max_len,) pads every row to max_len.
+    row_tokens: a batch of rows longer than this holds at most batch_size * row_tokens token
+      slots (`rows_per_batch`); None = batch_size rows whatever their length.
+    row_multiple: every batch's rows divide by this (e.g. the mesh's batch-parallel size) and
+      by process_count.
     process_index, process_count: which rows of each batch this process keeps.
   """
   if labels is not None and len(labels) != len(texts):
@@ -101,13 +144,14 @@ def eval_batches(texts: Sequence[str], labels: Sequence[int] | None, tokenizer: 
     windows += ws
     doc_of += [doc] * len(ws)
   plan = plan_batches([len(w) for w in windows], batch_size=batch_size, max_docs=max_docs,
-                      buckets=buckets, pack=pack)
-  local = batch_size // process_count
+                      buckets=buckets, pack=pack, row_tokens=row_tokens,
+                      row_multiple=math.lcm(row_multiple, process_count))
   out = []
-  for row_len, rows in plan:
-    mine = rows[process_index * local:(process_index + 1) * local]
+  for planned in plan:
+    local = planned.num_rows // process_count
+    mine = planned.rows[process_index * local:(process_index + 1) * local]
     batch = pack_rows([[(windows[i], -1 if labels is None else int(labels[doc_of[i]])) for i in row]
-                       for row in mine], batch_size=local, max_len=row_len, max_docs=max_docs,
+                       for row in mine], batch_size=local, max_len=planned.row_len, max_docs=max_docs,
                       pad_id=tokenizer.pad_id)
     doc_ids = np.full((local, max_docs), -1, np.int32)
     for r, row in enumerate(mine):

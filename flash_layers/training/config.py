@@ -111,6 +111,8 @@ def default_config() -> ml_collections.ConfigDict:
   # Number of examples per split for generated datasets (listops); None = the default.
   d.num_examples = placeholder(int)
   # Rows per evaluation batch over all processes; None = train.batch_size / grad_accum_steps.
+  # With eval_packing, batches of rows longer than 512 tokens hold proportionally fewer rows
+  # (flash_layers.data.eval_plan.rows_per_batch).
   d.eval_batch_size = placeholder(int)
 
   c.train = t = ml_collections.ConfigDict()

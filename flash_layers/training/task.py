@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import pathlib
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -20,6 +21,7 @@ from jax.sharding import Mesh
 from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import eval_plan, readers
+from flash_layers.parallel.mesh import BATCH_AXES
 from flash_layers.training import config as config_lib
 from flash_layers.training import steps as steps_lib
 from flash_layers.training.config import ConfigError
@@ -123,9 +125,19 @@ def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None) ->
   d = config.data
   buckets = (eval_plan.length_buckets(tokenizer.max_len, eval_granule(mesh)) if d.eval_packing
              else (tokenizer.max_len,))
-  return eval_plan.eval_batches(texts, labels, tokenizer, batch_size=eval_batch_size(config),
+  # Rows of a batch are sharded over the mesh's batch axes, so a batch of fewer rows (long rows,
+  # eval_plan.rows_per_batch) keeps a multiple of their size.
+  batch_shards = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES) if mesh is not None else 1
+  batch_size = eval_batch_size(config)
+  if batch_size % math.lcm(batch_shards, jax.process_count()):
+    raise ConfigError(f"the evaluation batch ({batch_size} rows: data.eval_batch_size, else "
+                      f"train.batch_size / grad_accum_steps) must divide over the data*fsdp={batch_shards} "
+                      f"shards and {jax.process_count()} processes")
+  return eval_plan.eval_batches(texts, labels, tokenizer, batch_size=batch_size,
                                 max_docs_per_row=d.max_docs_per_row, pack=d.eval_packing, buckets=buckets,
-                                process_index=jax.process_index(), process_count=jax.process_count())
+                                row_tokens=eval_plan.ROW_TOKENS if d.eval_packing else None,
+                                row_multiple=batch_shards, process_index=jax.process_index(),
+                                process_count=jax.process_count())
 
 
 def sample_documents(records, max_batches: int | None, global_batch: int) -> list[int]:
