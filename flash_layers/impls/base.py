@@ -25,6 +25,11 @@ The computation every impl performs (the contract, written once):
 lse is the pre-dropout normaliser because dropout is linear in p: ring attention merges
 per-shard outputs by their lse and gets exactly the dropped-out global softmax.
 
+Optionally ``attention_backward(q, k, v, lse, delta, d_out, *, request, args)`` -> ``(dq, dk, dv)``:
+the gradients from given row statistics (``lse`` the normaliser and ``delta`` = rowsum(dO * O) -
+dlse of the whole softmax the rows belong to), without the forward; ring attention's backward calls
+it with the global statistics (`dispatch.attend_backward`; xla_dense's serves impls without one).
+
 Adding an impl is one module plus one line in `impls/__init__.py`.
 """
 

@@ -13,6 +13,8 @@ Each family module provides:
   unsupported(request) -> str | None     the first feature it cannot serve
   block_shape(request, platform) -> (block_q, block_kv)   the tiles it would use
   flash_attention(q, k, v, *, request, args, interpret) -> (out, lse)
+  attention_backward(q, k, v, lse, delta, d_out, *, request, args, interpret) -> (dq, dk, dv)
+  grid_steps(request, args) -> int | None   (optional: the forward grid's steps, for explain)
 """
 
 from __future__ import annotations

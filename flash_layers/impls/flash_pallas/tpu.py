@@ -1,31 +1,41 @@
 """flash_pallas on TPU: our own Mosaic flash-attention kernels, forward and backward.
 
-Layout. The wrapper moves heads in front of the sequence (``[batch, heads, len, dim]``) and pads
-``len`` to a multiple of the block sizes; padded keys and queries are masked by position. Tiles
+Tiles. ``len`` is padded to a multiple of the block sizes; padded keys and queries are masked by
+position. Tiles
 are ``(block, head_dim)`` with blocks multiples of 128, so they respect the TPU's (8 sublanes,
 128 lanes) tiling. A tile spans the whole head_dim, so any head_dim is legal; one that is not a
 multiple of 128 (BERT's 32 and 64) is padded to 128 lanes inside VMEM and the vregs by Mosaic,
 not in HBM: no zero columns are stored, copied or re-read with every K/V block. (Compiled for
 v4, v5e, v5p and v6e with head_dim 17, 32, 64, 80, 128, 200 and 256.)
 
-Grid. The forward kernel runs over ``(batch, heads, q blocks, kv steps)``. The first three axes
-are independent ("parallel": Mosaic may split them across TensorCores); the last one carries the
-online softmax of one q block across its kv blocks ("arbitrary": in order, on one core), so the
-running statistics live in VMEM scratch between steps.
+Grid: only the tiles that matter. Each q block sees a contiguous *range* of kv blocks under
+causal masks, windows and packed documents; the forward kernel's grid is ``(batch, heads, rows,
+steps)`` where row r holds q block r and then q block n - 1 - r, so a causal triangle folds into
+a rectangle of exactly the visible tiles (n/2 rows of n + 1 steps). ``steps`` is the widest row:
+a Python int when the mask is static, a dynamic grid bound computed from the segment ids
+otherwise (16 packed documents of 2,048 tokens at 32k: 256 steps for 256 visible tiles, where a
+full grid would run 4,096). The first three axes are "parallel" (Mosaic may split them across
+TensorCores); the last carries the online softmax ("arbitrary"), its statistics in VMEM scratch.
 
-Block skipping. `masks.block_map` (the one shared map, computed here in plain JAX) lists, for
-each q block, the kv blocks holding at least one visible pair, in order, followed by the last
-visible one repeated. Kernel step ``s`` of q block ``i`` handles kv block ``plan[i, s]``. It is
-scalar-prefetched to SMEM, so the BlockSpec index_map reads it before the step's DMA is issued:
-for a skipped step (``s >= count[i]``) the index repeats the previous one, Pallas sees an
-unchanged block index and issues no DMA, and ``pl.when(s < count[i])`` skips the compute.
-Invisible blocks therefore cost one grid step of bookkeeping and nothing else. Blocks the map
-marks *full* (every pair visible) skip the element-wise mask too.
+The plan is linear in the length: per (batch row if segment ids, outer block) its range
+(first block, count), int32, scalar-prefetched to SMEM; the BlockSpec index maps read it, so a
+step past a row's end re-names the previous tile (no DMA) and ``pl.when`` skips its compute.
+Whether a tile is visible, and fully visible (no element mask), is decided per step by
+`masks.tile_visibility` on SMEM scalars: the offsets and, with segment ids, each block's segment
+range and global-token flags. 262,144 tokens compile on one v5p chip; 1,048,576 over a v5p:2x2x2
+ring.
+
+Layout: with head_dim (and head_dim_v) a multiple of 128, q, k, v, the output, dO and the
+gradients stay token-major ``[b, len, heads * dim]`` (the caller's layout reshaped) and a tile is
+the ``(block, dim)`` window at column ``head * dim``; otherwise head-major copies
+``[b, heads, len, dim]`` are made, a layout Mosaic can tile for any dim.
 
 Backward (custom VJP, from the saved logsumexp L):
   P = exp(S - L),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = dS K,  dK = dS^T Q
 with ``D_i = rowsum(dO * O)_i - dlse_i`` (the second term carries a cotangent on lse, which ring
-attention produces). One kernel accumulates dK and dV for a kv block over the q blocks that see it
+attention produces; rowsum(dO * O) is one small kernel). `attention_backward` runs the two
+backward kernels from given L and D: ring attention passes the global ones and never re-runs
+the forward. One kernel accumulates dK and dV for a kv block over the q blocks that see it
 (and over the query heads sharing the kv head: GQA never repeats K/V in HBM); a second kernel
 accumulates dQ for a q block over its kv blocks. Both skip blocks like the forward.
 """
