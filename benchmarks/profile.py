@@ -13,8 +13,8 @@ How our code is named in them: `fl.attention` runs each impl under
 `jax.named_scope("flash_layers.<impl>")`, so every XLA op of an impl carries that
 prefix in its op name (e.g. `flash_layers.xla_chunked/while/body/dot_general`;
 the backward as `transpose(jvp(flash_layers.xla_chunked))/...`); the Pallas kernels
-are additionally `pallas_call`s named `flash_layers_fwd`, `flash_layers_bwd_dkv`,
-`flash_layers_bwd_dq` (TPU) and `flash_pallas_gpu_*` (GPU). On the CPU the op names
+are additionally `pallas_call`s named `flash_layers_fwd`, `flash_layers_bwd_delta`,
+`flash_layers_bwd_dkv`, `flash_layers_bwd_dq` (TPU) and `flash_pallas_gpu_*` (GPU). On the CPU the op names
 are in the .xplane.pb (the trace viewer's op details), not in the Perfetto JSON,
 which names XLA ops only. After writing, this script lists the names it finds.
 """

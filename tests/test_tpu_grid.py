@@ -101,7 +101,10 @@ def _evaluate(jaxpr, consts, args, grids):
 @pytest.mark.parametrize("mask", ["causal", "window", "packed"])
 def test_grid_steps_are_the_visible_tiles(mask):
   grids = _kernel_grids(mask)
-  assert set(grids) == {"flash_layers_fwd", "flash_layers_bwd_dkv", "flash_layers_bwd_dq"}
+  # Besides the three tile kernels, one small kernel computes rowsum(dO * O) per q block.
+  assert set(grids) == {"flash_layers_fwd", "flash_layers_bwd_dkv", "flash_layers_bwd_dq",
+                        "flash_layers_bwd_delta"}
+  assert grids.pop("flash_layers_bwd_delta") == (1, 1, T // 256)
   tiles = {"flash_layers_fwd": _visible_tiles(mask, 512, 512),
            "flash_layers_bwd_dkv": _visible_tiles(mask, 256, 512),
            "flash_layers_bwd_dq": _visible_tiles(mask, 256, 512)}
