@@ -56,6 +56,7 @@ SHAPES = [
     Shape("grad_causal_2048_d64", 2048, 4, 4, 64, causal=True),
     Shape("grad_causal_packed_1000_d32_mqa", 1000, 4, 1, 32, causal=True, packed=True),
     Shape("grad_packed_8192_d128_gqa", 8192, 4, 2, 128, packed=True),
+    Shape("grad_causal_4096_d256", 4096, 2, 2, 256, causal=True),  # the generation's tiles, largest VMEM
 ]
 
 
@@ -133,6 +134,15 @@ def test_v5e_float32_with_every_feature():
     return out.sum()
 
   compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, k, v, seg).compile()
+  assert _mosaic_kernels(compiled.as_text()) == sorted(KERNELS)
+
+
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+def test_float32_head_dim_256_fits_the_generations_vmem(generation):
+  """The largest tiles of each generation (v6e: 1,024 x 1,024 forward) in float32 at head_dim 256:
+  the VMEM limit we set must hold them (a compile that overflows VMEM fails)."""
+  shape = Shape("grad_causal_4096_d256_f32", 4096, 2, 2, 256, causal=True)
+  compiled = _compile(generation, shape, dtype=jnp.float32)
   assert _mosaic_kernels(compiled.as_text()) == sorted(KERNELS)
 
 

@@ -61,23 +61,33 @@ from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
 # Block sizes
 # ----------------------------------------------------------------------------
 
-# Defaults per TPU generation. Chosen from the hardware's documented limits, not yet tuned on
-# TPU hardware: large enough that each step's MXU work hides the K/V DMA of the next, small enough that
-# the f32 logits tiles and their temporaries (~5 x block_q x block_kv x 4 bytes) stay well inside
-# the default scoped VMEM, 16 MiB on v4/v5e and 32 MiB on v5p/v6e. v5e has the least HBM
-# bandwidth per FLOP, so longer kv blocks there would help most, but bounded VMEM keeps 512.
-# Square 512 tiles also keep packed 512-token documents block-diagonal.
-#   generation  fwd (q, kv)   bwd (q, kv)
-#   v4          512, 512      256, 512    16 MiB scoped VMEM; backward holds ~2x the temporaries
-#   v5e         512, 512      256, 512    same VMEM budget as v4
-#   v5p         512, 1024     512, 512    32 MiB scoped VMEM
-#   v6e         512, 1024     512, 512    32 MiB scoped VMEM, 256-wide MXU likes long kv tiles
+# Defaults per TPU generation, from each chip's published bf16 peak and HBM bandwidth (Google Cloud
+# TPU system architecture pages) and its VMEM, measured as the largest scratch Mosaic accepts when
+# compiling ahead of time: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB. Not yet tuned on hardware.
+# * block_q: a forward tile does ~block_q FLOPs per byte of K/V it streams (4 bq bk d FLOPs for
+#   4 bk d bytes of bfloat16 K and V), so block_q must exceed the chip's FLOP/byte ratio for the
+#   MXU, not HBM, to bound a step: v4 275 TF/s / 1.2 TB/s ~ 230, v5e 197 / 0.82 ~ 240, v5p 459 / 2.8
+#   ~ 166, v6e 918 / 1.6 ~ 560 (hence 1,024-row q tiles on v6e). The dQ kernel streams K/V the same
+#   way; dK/dV streams q and dO: ~2 block_kv FLOPs per byte.
+# * block_kv: a step's MXU time should dwarf the ~0.35 us a grid step costs: a 512 x 512 x 128 tile is
+#   ~0.7 us on v5e, 512 x 1024 ~1.4 us; 1,024 x 1,024 ~0.6 us on v6e.
+# * VMEM: the f32 logits tile and ~5 temporaries of its size (5 x 4 x bq x bk bytes) plus the
+#   double-buffered q/k/v tiles must fit the scoped limit, set per generation (VMEM_LIMIT_BYTES)
+#   below the capacity. v4 has only 16 MiB, so its backward keeps 256-row q tiles.
+# Square 512 tiles keep packed 512-token documents block-diagonal; longer kv tiles (v5e, v5p, v6e)
+# trade that for fewer, longer steps.
+#   generation  fwd (q, kv)   bwd (q, kv)   VMEM limit (capacity)
+#   v4          512, 512      256, 512      16 MiB (16)
+#   v5e         512, 1024     512, 512      64 MiB (128)
+#   v5p         512, 1024     512, 512      48 MiB (64)
+#   v6e         1024, 1024    512, 1024     96 MiB (128)
 DEFAULT_BLOCK_SIZES = {
     "v4": BlockSizes(512, 512, 256, 512),
-    "v5e": BlockSizes(512, 512, 256, 512),
+    "v5e": BlockSizes(512, 1024, 512, 512),
     "v5p": BlockSizes(512, 1024, 512, 512),
-    "v6e": BlockSizes(512, 1024, 512, 512),
+    "v6e": BlockSizes(1024, 1024, 512, 1024),
 }
+VMEM_LIMIT_BYTES = {"v4": 16 << 20, "v5e": 64 << 20, "v5p": 48 << 20, "v6e": 96 << 20}
 GENERIC_BLOCK_SIZES = BlockSizes(512, 512, 512, 512)
 
 
@@ -307,8 +317,10 @@ def _interpret_arg(interpret: bool):
 
 
 def _compiler_params(semantics: tuple[str, ...]):
+  """Dimension semantics, and the generation's VMEM limit when the generation is known."""
   params = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
-  return params(dimension_semantics=semantics)
+  return params(dimension_semantics=semantics,
+                vmem_limit_bytes=VMEM_LIMIT_BYTES.get(tpu_generation()))
 
 
 class _Step(NamedTuple):
