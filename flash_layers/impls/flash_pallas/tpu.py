@@ -71,23 +71,27 @@ from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
 #   way; dK/dV streams q and dO: ~2 block_kv FLOPs per byte.
 # * block_kv: a step's MXU time should dwarf the ~0.35 us a grid step costs: a 512 x 512 x 128 tile is
 #   ~0.7 us on v5e, 512 x 1024 ~1.4 us; 1,024 x 1,024 ~0.6 us on v6e.
-# * VMEM: the f32 logits tile and ~5 temporaries of its size (5 x 4 x bq x bk bytes) plus the
-#   double-buffered q/k/v tiles must fit the scoped limit, set per generation (VMEM_LIMIT_BYTES)
-#   below the capacity. v4 has only 16 MiB, so its backward keeps 256-row q tiles.
+# * VMEM: the f32 logits tile and ~5 temporaries of its size (6 x 4 x bq x bk bytes) plus the
+#   double-buffered tiles must fit the kernel's scoped VMEM. Each kernel asks for what its tiles
+#   need (`_vmem_limit`: never below Mosaic's default, at most 3/4 of the capacity), no more: every
+#   byte of scoped VMEM is taken from XLA's memory-space assignment, which keeps small buffers
+#   on chip (measured on v5e, 8k tokens: a flat 64 MiB limit turned 16 MiB of HBM temporaries
+#   into 49 MiB). v4 has only 16 MiB, so its backward keeps 256-row q tiles.
 # Square 512 tiles keep packed 512-token documents block-diagonal; longer kv tiles (v5e, v5p, v6e)
 # trade that for fewer, longer steps.
-#   generation  fwd (q, kv)   bwd (q, kv)   VMEM limit (capacity)
+#   generation  fwd (q, kv)   bwd (q, kv)   VMEM capacity (Mosaic's default scoped limit)
 #   v4          512, 512      256, 512      16 MiB (16)
-#   v5e         512, 1024     512, 512      64 MiB (128)
-#   v5p         512, 1024     512, 512      48 MiB (64)
-#   v6e         1024, 1024    512, 1024     96 MiB (128)
+#   v5e         512, 1024     512, 512      128 MiB (16)
+#   v5p         512, 1024     512, 512      64 MiB (32)
+#   v6e         1024, 1024    512, 1024     128 MiB (32)
 DEFAULT_BLOCK_SIZES = {
     "v4": BlockSizes(512, 512, 256, 512),
     "v5e": BlockSizes(512, 1024, 512, 512),
     "v5p": BlockSizes(512, 1024, 512, 512),
     "v6e": BlockSizes(1024, 1024, 512, 1024),
 }
-VMEM_LIMIT_BYTES = {"v4": 16 << 20, "v5e": 64 << 20, "v5p": 48 << 20, "v6e": 96 << 20}
+VMEM_CAPACITY = {"v4": 16 << 20, "v5e": 128 << 20, "v5p": 64 << 20, "v6e": 128 << 20}
+DEFAULT_SCOPED_VMEM = {"v4": 16 << 20, "v5e": 16 << 20, "v5p": 32 << 20, "v6e": 32 << 20}
 GENERIC_BLOCK_SIZES = BlockSizes(512, 512, 512, 512)
 
 
@@ -316,11 +320,25 @@ def _interpret_arg(interpret: bool):
   return params()
 
 
-def _compiler_params(semantics: tuple[str, ...]):
-  """Dimension semantics, and the generation's VMEM limit when the generation is known."""
+def _compiler_params(semantics: tuple[str, ...], vmem_bytes: int | None = None):
   params = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
-  return params(dimension_semantics=semantics,
-                vmem_limit_bytes=VMEM_LIMIT_BYTES.get(tpu_generation()))
+  return params(dimension_semantics=semantics, vmem_limit_bytes=vmem_bytes)
+
+
+def _vmem_limit(cfg: _TpuCall, grid: _Grid, itemsize: int) -> int | None:
+  """The scoped VMEM a kernel with these tiles asks for (None: Mosaic's default, generation
+  unknown). An estimate with a 25% margin: the double-buffered q/k/v/output tiles, the scratch,
+  and six float32 [block_q, block_kv] tiles (logits, probabilities and their gradients)."""
+  generation = tpu_generation()
+  if generation not in VMEM_CAPACITY:
+    return None
+  bq, bk = grid.block_q, grid.block_kv
+  d, dv = round_up(cfg.head_dim, LANES), round_up(cfg.head_dim_v, LANES)
+  tiles = 2 * itemsize * (bq * d + bk * d + bk * dv + 2 * bq * dv + bk * (d + dv))
+  scratch = 4 * (bq * dv + 4 * bq * LANES + bk * (d + dv))
+  need = 5 * (tiles + scratch + 6 * 4 * bq * bk) // 4
+  need = round_up(need, 1 << 20)
+  return int(min(max(need, DEFAULT_SCOPED_VMEM[generation]), 3 * VMEM_CAPACITY[generation] // 4))
 
 
 class _Step(NamedTuple):
@@ -546,7 +564,8 @@ def _call(kernel, name: str, cfg: _TpuCall, grid: _Grid, steps, tables, inputs, 
           num_scalar_prefetch=len(tables), grid=grid.shape(steps), in_specs=in_specs,
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape, compiler_params=_compiler_params(
-          ("parallel",) * 3 + ("arbitrary",) * (grid.ndim - 3)),
+          ("parallel",) * 3 + ("arbitrary",) * (grid.ndim - 3),
+          _vmem_limit(cfg, grid, jnp.dtype(inputs[0].dtype).itemsize)),
       cost_estimate=cost, interpret=_interpret_arg(cfg.interpret), name=name,
   )(*tables, *inputs)
 
