@@ -98,7 +98,8 @@ def relative_errors(actual, expected) -> dict[str, float]:
 
 
 # dropout_alibi: data x tensor, tensor x ring (zig-zag) and fsdp x ring cover every axis its hash sees.
-CASES = {"causal_packed_gqa": MESHES, "dropout_alibi": ((2, 1, 4, 1), (1, 1, 2, 4), (1, 2, 1, 4)), "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
+CASES = {"causal_packed_gqa": MESHES, "dropout_alibi": ((2, 1, 4, 1), (1, 1, 2, 4), (1, 2, 1, 4)),
+         "window_mqa": ((2, 1, 4, 1), (1, 1, 2, 4)),
          "uneven_gqa": ((4, 1, 2, 1),), "explicit_mqa": ((2, 1, 2, 2),), "bias_heads": ((2, 1, 4, 1),),
          "global_window_packed": ((1, 1, 2, 4),)}
 # Cases that test how a call is split, not an impl: run with the reference only.
