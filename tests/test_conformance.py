@@ -468,7 +468,7 @@ def random_configs(draw):
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in SUBSETS and c[1] is None], ids=_case_id)
-@hypothesis.settings(max_examples=15, deadline=None,
+@hypothesis.settings(max_examples=10, deadline=None,
                      suppress_health_check=[hypothesis.HealthCheck.too_slow])
 @hypothesis.given(cfg=random_configs(), seed=st.integers(0, 2**31 - 1))
 def test_conforms_on_random_configs(case, cfg, seed):
