@@ -191,19 +191,9 @@ class XlaDense:
     return "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    b, t, h, d = q.shape
-    kvh = k.shape[2]
-    group = h // kvh
-    s = k.shape[1]
-    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate, request.precision)
-    qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
-    f32 = [x.astype(jnp.float32) for x in (qg, k, v)]
-    extra = _extra(args, b, h, t, s, group)
-    keep = None
-    if request.has_dropout:
-      keep = dense_keep(request, args, b, h, t, s)  # [b|1, h|1, t, s]
-      keep = _grouped(keep, group)
-    out, lse = _dense(st, *f32, _mask(request, args, group), extra, keep)
+    b, t, h, _ = q.shape
+    st, f32, mask, extra, keep = _operands(q, k, v, request, args)
+    out, lse = _dense(st, *f32, mask, extra, keep)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
@@ -213,15 +203,8 @@ class XlaDense:
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
-    s = k.shape[1]
-    st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate, request.precision)
-    qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
-    q32, k32, v32 = (x.astype(jnp.float32) for x in (qg, k, v))
-    keep = None
-    if request.has_dropout:
-      keep = _grouped(dense_keep(request, args, b, h, t, s), group)
-    extra = _extra(args, b, h, t, s, group)
-    q32, logits, tanh = _logits(st, q32, k32, _mask(request, args, group), extra)
+    st, (q32, k32, v32), mask, extra, keep = _operands(q, k, v, request, args)
+    q32, logits, tanh = _logits(st, q32, k32, mask, extra)
     stats = (lambda x: x.reshape(b, kvh, group, t)) if group > 1 else (lambda x: x)
     lse = stats(jnp.where(lse > -jnp.inf, lse, jnp.inf).astype(jnp.float32))  # no key: P = 0
     p = jnp.exp(logits - lse[..., None])
@@ -230,3 +213,19 @@ class XlaDense:
     dq, dk, dv, _ = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, dout,
                            stats(delta.astype(jnp.float32)))
     return dq.reshape(b, t, h, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _operands(q, k, v, request: Request, args: Args):
+  """(static config, float32 (q grouped, k, v), mask, ALiBi + bias term, dropout keep) of a call,
+  laid out as the logits [b, kvh, (g), t, s] broadcast."""
+  b, t, h, d = q.shape
+  kvh = k.shape[2]
+  group = h // kvh
+  s = k.shape[1]
+  st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate, request.precision)
+  qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
+  f32 = tuple(x.astype(jnp.float32) for x in (qg, k, v))
+  keep = None
+  if request.has_dropout:
+    keep = _grouped(dense_keep(request, args, b, h, t, s), group)  # [b|1, h|1, t, s] grouped
+  return st, f32, _mask(request, args, group), _extra(args, b, h, t, s, group), keep
