@@ -320,22 +320,27 @@ def _run(name: str, query, key, value, request: Request, args: Args):
     return REGISTRY[name].attend(query, key, value, request=request, args=args)
 
 
-def attend(query, key, value, *, impl: str, request: Request, args: Args):
-  """Run an already-validated request; returns (out, lse). Used by `attention` and the ring."""
+def _by_platform(impl: str, request: Request, run, query, key, value):
+  """``run(name, q, k, v)`` with the impl `impl` resolves to. For "auto", whose choice may differ
+  by platform, the choice follows the platform the computation is lowered for, so that an AOT
+  compile for TPU from a CPU host runs the TPU choice."""
   here = lowering.default_platform()
   if impl != AUTO:
     resolve(impl, request, here)
-    return _run(impl, query, key, value, request, args)
+    return run(impl, query, key, value)
   name, reason = resolve(AUTO, request, here)
   _log_auto_choice(request, here, name, reason)
   choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
   if len(set(choices.values())) == 1:
-    return _run(name, query, key, value, request, args)
-  # Choose by the platform the computation is lowered for, so that an AOT compile
-  # for TPU from a CPU host runs the TPU choice.
-  branches = {p: (lambda q, k, v, n=n: _run(n, q, k, v, request, args))
-              for p, n in choices.items()}
+    return run(name, query, key, value)
+  branches = {p: (lambda q, k, v, n=n: run(n, q, k, v)) for p, n in choices.items()}
   return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
+
+
+def attend(query, key, value, *, impl: str, request: Request, args: Args):
+  """Run an already-validated request; returns (out, lse). Used by `attention` and the ring."""
+  return _by_platform(impl, request, lambda n, q, k, v: _run(n, q, k, v, request, args),
+                      query, key, value)
 
 
 def _run_backward(name: str, query, key, value, lse, delta, d_out, request: Request, args: Args):
@@ -354,13 +359,7 @@ def attend_backward(query, key, value, lse, delta, d_out, *, impl: str, request:
   rowsum(dO * O) - dlse of the whole output the rows belong to. Ring attention passes the
   global ones: each (q shard, kv shard) pair then yields its exact share of the gradients.
   """
-  here = lowering.default_platform()
-  name = resolve(impl, request, here)[0]
-  if impl != AUTO:
-    return _run_backward(name, query, key, value, lse, delta, d_out, request, args)
-  choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
-  if len(set(choices.values())) == 1:
-    return _run_backward(name, query, key, value, lse, delta, d_out, request, args)
-  branches = {p: (lambda q, k, v, n=n: _run_backward(n, q, k, v, lse, delta, d_out, request, args))
-              for p, n in choices.items()}
-  return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
+  return _by_platform(
+      impl, request,
+      lambda n, q, k, v: _run_backward(n, q, k, v, lse, delta, d_out, request, args),
+      query, key, value)
