@@ -15,6 +15,9 @@ collection so that only what is still referenced counts:
 * the number and bytes of live device arrays (`jax.live_arrays()`),
 * the number of threads (a leaked thread pool shows here first).
 
+Every 10 steps (the logging interval) it first waits for checkpoint saves in flight, so that
+the live-array floor of each window is exactly what the run keeps between steps.
+
 After warm-up (compilation, the first evaluation and the first saves), memory must
 plateau: resident memory (both VmRSS and RssAnon) at the end at most `--max-growth` (5%)
 above its value at 30% of the run, and no more live arrays (count or bytes) at the end
@@ -99,16 +102,26 @@ def sample(step: int) -> dict:
 
 
 class Sampler:
-  """The loop's `on_step` hook: a sample every `every` steps and at the last one."""
+  """The loop's `on_step` hook: a sample every `every` steps and at the last one.
 
-  def __init__(self, every: int, num_steps: int):
+  Every `settle_every` steps it first waits for the checkpoint saves in flight (`wait`), so that
+  some samples in every window hold exactly what the run keeps between steps: how long a save
+  stays in flight depends on the machine's load, and a floor taken only over unsettled samples
+  would measure that load instead of a leak.
+  """
+
+  def __init__(self, every: int, num_steps: int, settle_every: int = 0, wait=None):
     self.every, self.num_steps = every, num_steps
+    self.settle_every, self.wait = settle_every, wait
     self.samples: list[dict] = []
 
   def __call__(self, step: int, state) -> None:
     del state  # only the process-wide counts matter
     if step % self.every == 0 or step == self.num_steps:
-      self.samples.append(sample(step))
+      settle = bool(self.wait and self.settle_every and step % self.settle_every == 0)
+      if settle:
+        self.wait()
+      self.samples.append({**sample(step), "settled": settle})
 
 
 # ----------------------------------------------------------------------------
@@ -178,12 +191,15 @@ def run(args: argparse.Namespace) -> dict:
   every = args.sample_every or max(args.steps // 60, 1)
   eval_every = args.eval_every or max(args.steps // 6, 1)
   checkpoint_every = args.checkpoint_every or max(args.steps // 12, 1)
-  sampler = Sampler(every, args.steps)
   with tempfile.TemporaryDirectory(prefix="memory-check-") as tmp:
     dataset = write_dataset(pathlib.Path(tmp) / "data")
     config = tiny_config(dataset, args.steps, eval_every, checkpoint_every)
-    sampler.samples.append(sample(0))  # before anything is built
-    loop.train_and_evaluate(config, os.path.join(tmp, "workdir"), on_step=sampler)
+    sampler = Sampler(every, args.steps, settle_every=config.train.log_every)
+    sampler.samples.append({**sample(0), "settled": True})  # before anything is built
+    # What train_and_evaluate runs, with the Trainer at hand so that the sampler can settle saves.
+    trainer = loop.Trainer.from_config(config, os.path.join(tmp, "workdir"), on_step=sampler)
+    sampler.wait = trainer.checkpoints.wait
+    trainer.run()
   start = sampler.samples[0]["time_s"]
   for s in sampler.samples:
     s["time_s"] = round(s["time_s"] - start, 3)

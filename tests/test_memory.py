@@ -31,11 +31,19 @@ def test_verdict_tells_a_leak_from_saves_in_flight():
 
 
 def test_training_memory_plateaus(tmp_path):
-  """200 steps of configs/tiny.py with 6 dev evaluations and 12 checkpoints (about 45 s of CPU)."""
+  """200 steps of configs/tiny.py with 6 dev evaluations and 12 checkpoints (about 45 s of CPU).
+
+  Resident memory may grow by 10% here, not the benchmark's 5%: 200 steps end inside the warm-up
+  of glibc's malloc arenas (steps of 8-25 MiB as orbax's save threads allocate; six runs on a
+  2-core VM, two at a time, grew RssAnon by 0.7% to 6.7% from steps 60-80 to 180-200, and the
+  600-step run in docs/benchmarks.md by 1.1%). The live-array floor is exact: the sampler waits
+  for saves in flight every 10 steps, so both windows hold samples of exactly the train state.
+  """
   out = tmp_path / "memory.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), XLA_FLAGS="")
   result = subprocess.run(
-    [sys.executable, "-m", "benchmarks.memory", "--steps", "200", "--sample-every", "2", "--json", str(out)],
+    [sys.executable, "-m", "benchmarks.memory", "--steps", "200", "--sample-every", "2", "--max-growth", "0.10",
+     "--json", str(out)],
     cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-4000:]
   report = json.loads(out.read_text())
@@ -47,7 +55,9 @@ def test_training_memory_plateaus(tmp_path):
   tail = [s for s in samples if s["step"] >= 180]
   for key in ("rss_bytes", "rss_anon_bytes"):  # all resident memory, and its anonymous (heap) part
     rss = [np.median([s[key] for s in w]) for w in (head, tail)]
-    assert rss[1] <= 1.05 * rss[0], f"{key} grew from {rss[0] / MIB:.0f} to {rss[1] / MIB:.0f} MiB"
+    assert rss[1] <= 1.10 * rss[0], f"{key} grew from {rss[0] / MIB:.0f} to {rss[1] / MIB:.0f} MiB"
+  for window in (head, tail):
+    assert sum(s["settled"] for s in window) >= 2
   for key in ("live_arrays", "live_array_bytes"):
     assert min(s[key] for s in tail) <= min(s[key] for s in head), key
   # The state (params + Adam's moments) is live throughout, so the floor is not trivially zero.

@@ -95,15 +95,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str, *,
   samples memory with it). It runs in the loop's thread, so it should be quick; `state` is
   donated to the next step, so it must not be kept.
   """
-  setup_logging()
-  config_lib.validate(config, check_data=task is None)
-  log_job_info()
-  mesh = sharding_lib.mesh_from_config(config)
-  log.info("mesh %s", dict(mesh.shape))
-  if task is None:
-    task = task_lib.build_task(config, mesh)
-  os.makedirs(workdir, exist_ok=True)
-  return Trainer(config, workdir, mesh, task, on_step=on_step).run()
+  return Trainer.from_config(config, workdir, task=task, on_step=on_step).run()
 
 
 class Trainer:
@@ -125,6 +117,20 @@ class Trainer:
     self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
     self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                                         train.peak_flops_per_device)
+
+  @classmethod
+  def from_config(cls, config: ml_collections.ConfigDict, workdir: str, *,
+                  task: task_lib.Task | None = None, on_step: StepHook | None = None) -> Trainer:
+    """Validate the config, set up logging, the mesh and the task: a Trainer ready to `run()`."""
+    setup_logging()
+    config_lib.validate(config, check_data=task is None)
+    log_job_info()
+    mesh = sharding_lib.mesh_from_config(config)
+    log.info("mesh %s", dict(mesh.shape))
+    if task is None:
+      task = task_lib.build_task(config, mesh)
+    os.makedirs(workdir, exist_ok=True)
+    return cls(config, workdir, mesh, task, on_step=on_step)
 
   # -- state ------------------------------------------------------------------
 
