@@ -259,7 +259,7 @@ def test_train_py_rejects_bad_config_before_compiling(dataset, tmp_path):
 # ----------------------------------------------------------------------------
 
 def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
-  state = {"w": jnp.arange(6.0).reshape(2, 3), "step": jnp.int32(0)}
+  state = {"params": {"w": jnp.arange(6.0).reshape(2, 3)}, "step": jnp.int32(0)}
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
   for step in (10, 20):
@@ -272,13 +272,32 @@ def test_corrupt_latest_checkpoint_falls_back_to_the_previous(tmp_path, caplog):
       path.write_bytes(b"\0" * 7)
   (tmp_path / "checkpoints" / "30.orbax-checkpoint-tmp-123" / "state").mkdir(parents=True)
 
+  # A reader (eval.py's restore_params) falls back too, and leaves the damaged step where it is.
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  with caplog.at_level("WARNING", logger="flash_layers.training"):
+    step, params, _ = ckpt.restore_params(abstract["params"])
+  ckpt.close()
+  assert step == 10
+  np.testing.assert_array_equal(params["w"], state["params"]["w"] + 10)
+  assert "checkpoint step 20" in caplog.text and "moving it aside" not in caplog.text
+  assert (tmp_path / "checkpoints" / "20").is_dir()
+  assert not list((tmp_path / "checkpoints").glob("20.corrupt-*"))
+
+  # A model whose params the checkpoint lacks is an error naming them, not abstract leaves.
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
+  with pytest.raises(ValueError, match=r"no params at \['u'\]"):
+    ckpt.restore_params({"u": abstract["params"]["w"]})
+  ckpt.close()
+
+  # Training's restore moves it aside, so that the next save does not meet it again.
+  caplog.clear()
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path), max_to_keep=3, best_metric="accuracy")
   with caplog.at_level("WARNING", logger="flash_layers.training"):
     step, restored, data_state, config_json = ckpt.restore(abstract)
   ckpt.close()
   assert step == 10
   assert data_state == {"position": 10} and json.loads(config_json) == {"seed": 0}
-  np.testing.assert_array_equal(restored["w"], state["w"] + 10)
+  np.testing.assert_array_equal(restored["params"]["w"], state["params"]["w"] + 10)
   assert "checkpoint step 20" in caplog.text and "cannot be restored" in caplog.text
   assert (tmp_path / "checkpoints" / "20.corrupt-0").is_dir()
   assert not (tmp_path / "checkpoints" / "20").exists()

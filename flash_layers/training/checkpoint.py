@@ -167,17 +167,26 @@ class Checkpointer:
     """Only the state's params, onto the shardings in `abstract_params`: (step, params, config_json).
 
     The optimizer state, the step counter and the data-iterator state are not read.
-    `which` and `fallback` are as for `restore`; None when there is nothing to restore.
+    `which` and `fallback` are as for `restore`, except that a step that fails to restore is left
+    where it is: a reader (eval.py, possibly beside a running training job) never renames a
+    checkpoint. None when there is nothing to restore.
     """
     args = ocp.args.Composite(state=_pytree_restore({"params": abstract_params}, partial=True),
                               config=ocp.args.JsonRestore())
-    restored = self._restore(args, which, fallback)
+    restored = self._restore(args, which, fallback, move_aside=False)
     if restored is None:
       return None
     step, items = restored
-    return step, items["state"]["params"], json.dumps(items["config"])
+    params = items["state"].get("params", abstract_params)
+    # orbax's partial restore hands back the abstract leaf for a path the checkpoint lacks.
+    missing = [jax.tree_util.keystr(path) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+               if isinstance(leaf, jax.ShapeDtypeStruct)]
+    if missing:
+      raise ValueError(f"checkpoint step {step} in {self.workdir} has no params at {', '.join(missing[:5])}"
+                       f"{' ...' if len(missing) > 5 else ''}: it is not a checkpoint of this model")
+    return step, params, json.dumps(items["config"])
 
-  def _restore(self, args: ocp.args.Composite, which: str | int, fallback: bool):
+  def _restore(self, args: ocp.args.Composite, which: str | int, fallback: bool, move_aside: bool = True):
     if which == "best":
       manager, candidates = self.best, [s for s in [self.best.best_step()] if s is not None]
     elif which == "latest":
@@ -195,10 +204,12 @@ class Checkpointer:
       except Exception as e:  # orbax raises many kinds for damaged files
         if not fallback or which not in ("latest",):
           raise
-        log.warning("checkpoint step %d in %s cannot be restored (%s: %s); moving it aside and "
-                    "using the previous one", step, manager.directory, type(e).__name__,
-                    str(e).splitlines()[0][:200] if str(e) else "")
-        self._move_aside(manager, step)
+        log.warning("checkpoint step %d in %s cannot be restored (%s: %s); %s the previous one",
+                    step, manager.directory, type(e).__name__,
+                    str(e).splitlines()[0][:200] if str(e) else "",
+                    "moving it aside and using" if move_aside else "using")
+        if move_aside:
+          self._move_aside(manager, step)
     return None
 
   def _move_aside(self, manager: ocp.CheckpointManager, step: int):
