@@ -39,8 +39,9 @@ class MultiHeadAttention(hk.Module):
   def __init__(self, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
                head_dim_v: int | None = None, out_features: int | None = None, impl: str = dispatch.AUTO,
                causal: bool = False, window: int | tuple[int, int] | None = None,
-               softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
-               dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = True,
+               global_tokens: int = 0, softcap: float | None = None, scale: float | None = None,
+               block_sizes: Any = None, rope_theta: float | None = None, dtype: Any = None,
+               param_dtype: Any = jnp.float32, use_bias: bool = True,
                kernel_init: Callable | None = None, bias_init: Callable | None = None,
                precision: Any = None, dropout_rate: float = 0.0, alibi: Any = False,
                name: str | None = None):
@@ -53,9 +54,11 @@ class MultiHeadAttention(hk.Module):
     self.impl = impl
     self.causal = causal
     self.window = window
+    self.global_tokens = global_tokens
     self.softcap = softcap
     self.scale = scale
     self.block_sizes = block_sizes
+    self.rope_theta = rope_theta
     self.dtype = dtype
     self.param_dtype = param_dtype
     self.use_bias = use_bias
@@ -68,11 +71,14 @@ class MultiHeadAttention(hk.Module):
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool = True) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
+    segment_ids, kv_segment_ids, positions, kv_positions as in the Flax layer.
     Returns [batch, q_len, out_features].
     """
+    self_attention = inputs_kv is None
     if inputs_kv is None:
       inputs_kv = inputs_q
     dims = layers.head_dims(self, inputs_q, inputs_kv)
@@ -80,6 +86,7 @@ class MultiHeadAttention(hk.Module):
     query = _dense(self, "query", inputs_q, (features, dims.num_heads, dims.head_dim), 1)
     key = _dense(self, "key", inputs_kv, (kv_features, dims.num_kv_heads, dims.head_dim), 1)
     value = _dense(self, "value", inputs_kv, (kv_features, dims.num_kv_heads, dims.head_dim_v), 1)
+    query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     dropout_rng = hk.next_rng_key() if layers.needs_dropout_rng(self, deterministic) else None
     out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
     return _dense(self, "out", out, (dims.num_heads, dims.head_dim_v, dims.out_features), 2)

@@ -62,6 +62,7 @@ def check_fields(layer) -> None:
     raise ValueError(f"dropout_rate must be a float in [0, 1); got {rate!r}")
   _check_alibi(layer.alibi, layer.num_heads)
   dispatch.normalize_precision(layer.precision)
+  rotary.check_theta(getattr(layer, "rope_theta", None))
 
 
 def _check_alibi(alibi, num_heads: int) -> None:
@@ -123,6 +124,32 @@ def resolve_dims(layer, features: int) -> HeadDims:
 
 def needs_dropout_rng(layer, deterministic: bool) -> bool:
   return bool(layer.dropout_rate) and not deterministic
+
+
+def rotate_heads(layer, query, key, positions, kv_positions, self_attention: bool):
+  """The rotary embeddings of query/key [batch, len, heads, dim] when layer.rope_theta is set.
+
+  positions [batch, q_len] / kv_positions [batch, kv_len]: None for 0, 1, ...; kv_positions
+  default to positions in self-attention. Without rope_theta, positions are an error (they would
+  be ignored).
+  """
+  theta = getattr(layer, "rope_theta", None)
+  if theta is None:
+    if positions is not None or kv_positions is not None:
+      raise ValueError("positions / kv_positions are used by the rotary embeddings only; set rope_theta")
+    return query, key
+  if self_attention and kv_positions is None:
+    kv_positions = positions
+
+  def rotate(x, positions, name):
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
+    elif tuple(positions.shape) != tuple(x.shape[:2]):
+      raise ValueError(f"{name} must have shape [batch, len] = {tuple(x.shape[:2])}; got "
+                       f"{tuple(positions.shape)}")
+    return rotary.apply_rotary(x, positions, theta)
+
+  return rotate(query, positions, "positions"), rotate(key, kv_positions, "kv_positions")
 
 
 def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None):
@@ -247,16 +274,7 @@ class MultiHeadAttention(nn.Module):
 
   def __post_init__(self):
     check_fields(self)
-    rotary.check_theta(self.rope_theta)
     super().__post_init__()
-
-  def _rotate(self, x: jax.Array, positions: jax.Array | None, name: str) -> jax.Array:
-    if positions is None:
-      positions = jnp.broadcast_to(jnp.arange(x.shape[1], dtype=jnp.int32), x.shape[:2])
-    elif tuple(positions.shape) != tuple(x.shape[:2]):
-      raise ValueError(f"{name} must have shape [batch, len] = {tuple(x.shape[:2])}; got "
-                       f"{tuple(positions.shape)}")
-    return rotary.apply_rotary(x, positions, self.rope_theta)
 
   def _dense(self, name: str, features, axis, kernel_axes, bias_axes) -> _Projection:
     return _Projection(
@@ -279,12 +297,9 @@ class MultiHeadAttention(nn.Module):
     queries; kv_positions default to positions in self-attention.
     Returns [batch, q_len, out_features].
     """
-    if (positions is not None or kv_positions is not None) and self.rope_theta is None:
-      raise ValueError("positions / kv_positions are used by the rotary embeddings only; set rope_theta")
+    self_attention = inputs_kv is None
     if inputs_kv is None:
       inputs_kv = inputs_q
-      if kv_positions is None:
-        kv_positions = positions
     dims = head_dims(self, inputs_q, inputs_kv)
     query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
                         QUERY_KERNEL_AXES, QUERY_KERNEL_AXES[1:])(inputs_q)
@@ -292,9 +307,7 @@ class MultiHeadAttention(nn.Module):
                       KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
     value = self._dense("value", (dims.num_kv_heads, dims.head_dim_v), -1,
                         KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
-    if self.rope_theta is not None:
-      query = self._rotate(query, positions, "positions")
-      key = self._rotate(key, kv_positions, "kv_positions")
+    query, key = rotate_heads(self, query, key, positions, kv_positions, self_attention)
     dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
     out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)

@@ -54,8 +54,9 @@ class MultiHeadAttention(nnx.Module):
                num_kv_heads: int | None = None, head_dim: int | None = None,
                head_dim_v: int | None = None, out_features: int | None = None,
                impl: str = dispatch.AUTO, causal: bool = False,
-               window: int | tuple[int, int] | None = None, softcap: float | None = None,
-               scale: float | None = None, block_sizes: Any = None, mesh: Any = None,
+               window: int | tuple[int, int] | None = None, global_tokens: int = 0,
+               softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
+               rope_theta: float | None = None, mesh: Any = None,
                dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = True,
                kernel_init: Callable = _KERNEL_INIT,
                bias_init: Callable = _BIAS_INIT, precision: Any = None,
@@ -69,9 +70,11 @@ class MultiHeadAttention(nnx.Module):
     self.impl = impl
     self.causal = causal
     self.window = window
+    self.global_tokens = global_tokens
     self.softcap = softcap
     self.scale = scale
     self.block_sizes = block_sizes
+    self.rope_theta = rope_theta
     self.mesh = mesh
     self.dropout_rate = dropout_rate
     self.alibi = alibi
@@ -111,15 +114,18 @@ class MultiHeadAttention(nnx.Module):
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool | None = None,
                rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
     """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
+    positions / kv_positions: for the rotary embeddings, as in the linen layer.
     deterministic: None for the layer's attribute. rngs: dropout keys for this call
     (an `nnx.Rngs`, a stream or a key) instead of the layer's own.
     Returns [batch, q_len, out_features].
     """
+    self_attention = inputs_kv is None
     if inputs_kv is None:
       inputs_kv = inputs_q
     layers.head_dims(self, inputs_q, inputs_kv)  # validates the shapes
@@ -131,6 +137,7 @@ class MultiHeadAttention(nnx.Module):
     deterministic = self.deterministic if deterministic is None else deterministic
     dropout_rng = self._dropout_key(rngs) if layers.needs_dropout_rng(self, deterministic) else None
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
+    query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
     return self.out(out)
 

@@ -7,8 +7,10 @@ The NNX layer runs the linen layer's tests through `NnxLayer`, which loads the l
 params into it (so those tests also check that the weights port).
 """
 
+import dataclasses
 import functools
 import importlib
+import inspect
 import sys
 
 import flax.linen as nn
@@ -590,3 +592,39 @@ def test_nnx_dropout_with_rngs_train_and_eval():
   no_rngs = flnnx.MultiHeadAttention(HEADS, EMBED, dropout_rate=0.5, rngs=nnx.Rngs(params=0))
   with pytest.raises(ValueError, match="needs dropout keys"):
     no_rngs(x, deterministic=False)
+
+
+# ----------------------------------------------------------------------------
+# The three layers have the same fields
+# ----------------------------------------------------------------------------
+
+def test_nnx_and_haiku_layers_take_every_linen_field():
+  linen = {f.name for f in dataclasses.fields(fl.MultiHeadAttention)} - {"parent", "name"}
+  own = {"nnx": {"in_features", "in_kv_features", "deterministic", "rngs"}, "haiku": {"name"}}
+  # Haiku has no mesh field: shard Haiku programs with jax.set_mesh around the call.
+  missing_ok = {"nnx": set(), "haiku": {"mesh"}}
+  for kind, cls in (("nnx", flnnx.MultiHeadAttention), ("haiku", flh.MultiHeadAttention)):
+    params = set(inspect.signature(cls.__init__).parameters) - {"self"}
+    assert params == (linen - missing_ok[kind]) | own[kind], kind
+
+
+def test_rotary_and_global_tokens_agree_across_linen_nnx_and_haiku():
+  x = inputs()
+  seg = segments(Q_LEN, 5)
+  positions = jnp.asarray([[0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6], list(range(Q_LEN))], jnp.int32)
+  fields = dict(num_kv_heads=2, window=(2, 2), global_tokens=1, rope_theta=50.0, impl="xla_chunked")
+  linen = fl.MultiHeadAttention(num_heads=HEADS, **fields)
+  params = init_params(linen, x, segment_ids=seg)
+  want = apply(linen, params, x, segment_ids=seg, positions=positions)
+  got_nnx = NnxLayer(num_heads=HEADS, **fields).apply(params, x, segment_ids=seg, positions=positions)
+  np.testing.assert_allclose(got_nnx, want, **TOL)
+  haiku_fn = hk.without_apply_rng(hk.transform(
+      lambda x: flh.MultiHeadAttention(HEADS, **fields)(x, segment_ids=seg, positions=positions)))
+  np.testing.assert_allclose(haiku_fn.apply(flh.params_from_flax(params), x), want, **TOL)
+  # Each field matters: without the rotation or the global token the output differs.
+  for off in (dict(rope_theta=None), dict(global_tokens=0)):
+    other = fl.MultiHeadAttention(num_heads=HEADS, **{**fields, **off})
+    kwargs = dict(positions=positions) if off.get("rope_theta", 1) is not None else {}
+    assert not np.allclose(apply(other, params, x, segment_ids=seg, **kwargs), want, atol=1e-3)
+  with pytest.raises(ValueError, match="set rope_theta"):
+    flnnx.MultiHeadAttention(HEADS, EMBED, rngs=nnx.Rngs(0))(x, positions=positions)
