@@ -143,7 +143,56 @@ class Block(nn.Module):
     return nn.with_logical_constraint(x, ACTIVATION_AXES)
 
 
-class Bert(nn.Module):
+class Encoder(nn.Module):
+  """The heads' entry points every encoder family shares.
+
+  A subclass provides `encode(input_ids, segment_ids, positions, token_type_ids, deterministic)`,
+  `pool(hidden, segment_ids, max_docs)`, `mlm_hidden(hidden)`, the submodules `dropout` and
+  `classifier`, and the fields `num_labels` and `mlm_head`.
+  """
+
+  def classify(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
+               positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
+               max_docs: int = 1, deterministic: bool = True) -> jax.Array:
+    """Logits [batch, max_docs, num_labels]; document d of a row is segment id d + 1."""
+    if self.num_labels is None:
+      raise ValueError("this model has no classification head; build it with num_labels=")
+    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    if segment_ids is None:
+      segment_ids = jnp.ones(input_ids.shape, jnp.int32)
+    return self.classify_hidden(hidden, segment_ids, max_docs=max_docs, deterministic=deterministic)
+
+  def classify_hidden(self, hidden: jax.Array, segment_ids: jax.Array, *, max_docs: int = 1,
+                      deterministic: bool = True) -> jax.Array:
+    """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
+    pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
+    return self.classifier(pooled).astype(jnp.float32)
+
+  def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
+          positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
+          deterministic: bool = True) -> jax.Array:
+    """Masked-LM logits [batch, len, vocab_size] (decoder tied to the word embeddings)."""
+    if not self.mlm_head:
+      raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
+    return self.mlm_hidden(self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic))
+
+  def __call__(self, input_ids, segment_ids=None, positions=None, token_type_ids=None, *,
+               max_docs: int = 1, deterministic: bool = True):
+    return self.classify(input_ids, segment_ids, positions, token_type_ids, max_docs=max_docs,
+                         deterministic=deterministic)
+
+  def init_everything(self, input_ids):
+    """For `init`: touches every parameter (encoder and whichever heads the model has), encoding once."""
+    hidden = self.encode(input_ids)
+    outs = [hidden]
+    if self.num_labels is not None:
+      outs.append(self.classify_hidden(hidden, jnp.ones(input_ids.shape, jnp.int32)))
+    if self.mlm_head:
+      outs.append(self.mlm_hidden(hidden))
+    return outs
+
+
+class Bert(Encoder):
   """BERT encoder with document-classification and masked-LM heads.
 
   Attributes:
@@ -298,50 +347,10 @@ class Bert(nn.Module):
       return pooled
     return jnp.where(present, jnp.tanh(self.pooler(pooled)), 0)
 
-  def classify(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
-               max_docs: int = 1, deterministic: bool = True) -> jax.Array:
-    """Logits [batch, max_docs, num_labels]; document d of a row is segment id d + 1."""
-    if self.num_labels is None:
-      raise ValueError("this model has no classification head; build it with num_labels=")
-    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
-    if segment_ids is None:
-      segment_ids = jnp.ones(input_ids.shape, jnp.int32)
-    return self.classify_hidden(hidden, segment_ids, max_docs=max_docs, deterministic=deterministic)
-
-  def classify_hidden(self, hidden: jax.Array, segment_ids: jax.Array, *, max_docs: int = 1,
-                      deterministic: bool = True) -> jax.Array:
-    """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
-    pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
-    return self.classifier(pooled).astype(jnp.float32)
-
-  def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
-          positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
-          deterministic: bool = True) -> jax.Array:
-    """Masked-LM logits [batch, len, vocab_size] (decoder tied to the word embeddings)."""
-    if not self.mlm_head:
-      raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
-    return self.mlm_hidden(self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic))
-
   def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
     """`mlm` from the encoder's output."""
     x = self.mlm_norm(jax.nn.gelu(self.mlm_transform(hidden), approximate=False))
     return (self.word_embeddings.attend(x) + self.mlm_bias).astype(jnp.float32)
-
-  def __call__(self, input_ids, segment_ids=None, positions=None, token_type_ids=None, *,
-               max_docs: int = 1, deterministic: bool = True):
-    return self.classify(input_ids, segment_ids, positions, token_type_ids, max_docs=max_docs,
-                         deterministic=deterministic)
-
-  def init_everything(self, input_ids):
-    """For `init`: touches every parameter (encoder and whichever heads the model has), encoding once."""
-    hidden = self.encode(input_ids)
-    outs = [hidden]
-    if self.num_labels is not None:
-      outs.append(self.classify_hidden(hidden, jnp.ones(input_ids.shape, jnp.int32)))
-    if self.mlm_head:
-      outs.append(self.mlm_hidden(hidden))
-    return outs
 
 
 def init_params(model: Bert, rng: jax.Array, *, boxed: bool = False):

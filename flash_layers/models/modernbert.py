@@ -31,6 +31,7 @@ from flash_layers.models.bert import (
     ACTIVATION_AXES,
     POOLINGS,
     REMAT_POLICIES,
+    Encoder,
     check_inputs,
     pool_documents,
     positions_from_segments,
@@ -112,7 +113,7 @@ class Block(nn.Module):
     return nn.with_logical_constraint(x, ACTIVATION_AXES)
 
 
-class ModernBert(nn.Module):
+class ModernBert(Encoder):
   """ModernBERT encoder with document-classification and masked-LM heads.
 
   Attributes:
@@ -268,31 +269,6 @@ class ModernBert(nn.Module):
     pooled, present = pool_documents(hidden, segment_ids, max_docs, self.pooling)
     return jnp.where(present, self._head(pooled), 0)
 
-  def classify(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
-               positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
-               max_docs: int = 1, deterministic: bool = True) -> jax.Array:
-    """Logits [batch, max_docs, num_labels]; document d of a row is segment id d + 1."""
-    if self.num_labels is None:
-      raise ValueError("this model has no classification head; build it with num_labels=")
-    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
-    if segment_ids is None:
-      segment_ids = jnp.ones(input_ids.shape, jnp.int32)
-    return self.classify_hidden(hidden, segment_ids, max_docs=max_docs, deterministic=deterministic)
-
-  def classify_hidden(self, hidden: jax.Array, segment_ids: jax.Array, *, max_docs: int = 1,
-                      deterministic: bool = True) -> jax.Array:
-    """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
-    pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
-    return self.classifier(pooled).astype(jnp.float32)
-
-  def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
-          positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
-          deterministic: bool = True) -> jax.Array:
-    """Masked-LM logits [batch, len, vocab_size] (decoder tied to the token embeddings)."""
-    if not self.mlm_head:
-      raise ValueError("this model has no masked-LM head; build it with mlm_head=True")
-    return self.mlm_hidden(self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic))
-
   def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
     """`mlm` from the encoder's output."""
     logits = self.tok_embeddings.attend(self._head(hidden))
@@ -300,17 +276,3 @@ class ModernBert(nn.Module):
       logits = logits + self.mlm_bias
     return logits.astype(jnp.float32)
 
-  def __call__(self, input_ids, segment_ids=None, positions=None, token_type_ids=None, *,
-               max_docs: int = 1, deterministic: bool = True):
-    return self.classify(input_ids, segment_ids, positions, token_type_ids, max_docs=max_docs,
-                         deterministic=deterministic)
-
-  def init_everything(self, input_ids):
-    """For `init`: touches every parameter (encoder and whichever heads the model has), encoding once."""
-    hidden = self.encode(input_ids)
-    outs = [hidden]
-    if self.num_labels is not None:
-      outs.append(self.classify_hidden(hidden, jnp.ones(input_ids.shape, jnp.int32)))
-    if self.mlm_head:
-      outs.append(self.mlm_hidden(hidden))
-    return outs
