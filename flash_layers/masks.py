@@ -179,14 +179,29 @@ def _block_ranges(seg, length: int, block: int):
 
 
 class BlockSegments(NamedTuple):
-  """What the tile test needs to know of one side's segment ids, per block ``[b, num_blocks]``:
-  the (decoded) segment id range of its real positions, and whether any / all of them are
-  global tokens (the flag of `encode_global`; zeros without global tokens)."""
+  """What the tile test needs to know of one side's segment ids, per block ``[b, num_blocks]``.
+
+  lo, hi: the range of the (decoded) nonzero segment ids of its real positions (lo > hi when
+    there are none).
+  zero: bit 0 set when some position has id 0, bit 1 when all have. Id 0 is an ordinary id in
+    the contract, but it is what callers pad with, after the documents: folded into one range,
+    a block holding the last document and padding would span every id and look visible to
+    every block.
+  is_global: bit 0 set when some position is a global token (the flag of `encode_global`), bit
+    1 when all are; 0 without global tokens.
+  Four int32 words per block: the TPU kernels read them from SMEM.
+  """
 
   lo: jax.Array
   hi: jax.Array
-  any_global: jax.Array
-  all_global: jax.Array
+  zero: jax.Array
+  is_global: jax.Array
+
+
+def _any_all(flag, length: int, block: int):
+  """Bit 0: some real position of the block has the 0/1 flag set; bit 1: all do."""
+  lo, hi = _block_ranges(flag, length, block)
+  return hi + 2 * lo
 
 
 def block_segments(segment_ids, length: int, block: int, spec: MaskSpec) -> BlockSegments:
@@ -194,12 +209,14 @@ def block_segments(segment_ids, length: int, block: int, spec: MaskSpec) -> Bloc
   seg = segment_ids.astype(jnp.int32)
   if spec.global_tokens and spec.window is not None:
     flag, seg = seg & 1, seg >> 1
-    any_global = -_block_ranges(-flag, length, block)[0]  # max over the real positions
-    all_global = _block_ranges(flag, length, block)[0]
+    is_global = _any_all(flag, length, block)
   else:
-    any_global = all_global = jnp.zeros((seg.shape[0], -(-length // block)), jnp.int32)
-  lo, hi = _block_ranges(seg, length, block)
-  return BlockSegments(lo, hi, any_global, all_global)
+    is_global = jnp.zeros((seg.shape[0], -(-length // block)), jnp.int32)
+  is_zero = seg == 0
+  big, small = jnp.iinfo(jnp.int32).max, jnp.iinfo(jnp.int32).min
+  lo = _block_ranges(jnp.where(is_zero, big, seg), length, block)[0]
+  hi = _block_ranges(jnp.where(is_zero, small, seg), length, block)[1]
+  return BlockSegments(lo, hi, _any_all(is_zero.astype(jnp.int32), length, block), is_global)
 
 
 def tile_visibility(q_first, q_last, kv_first, kv_last, spec: MaskSpec,
@@ -226,13 +243,16 @@ def tile_visibility(q_first, q_last, kv_first, kv_last, spec: MaskSpec,
       in_band = in_band | (qs < g) | (ks < g)
       band_full = band_full | (qe < g) | (ke < g)
     elif g:  # global by document position: the flags of the encoded segment ids
-      in_band = in_band | (q_info.any_global > 0) | (kv_info.any_global > 0)
-      band_full = band_full | (q_info.all_global > 0) | (kv_info.all_global > 0)
+      in_band = in_band | ((q_info.is_global & 1) > 0) | ((kv_info.is_global & 1) > 0)
+      band_full = band_full | ((q_info.is_global & 2) > 0) | ((kv_info.is_global & 2) > 0)
     vis = vis & in_band
     full = full & band_full
   if q_info is not None:
-    vis = vis & (q_info.lo <= kv_info.hi) & (kv_info.lo <= q_info.hi)
-    full = full & (q_info.lo == q_info.hi) & (kv_info.lo == kv_info.hi) & (q_info.lo == kv_info.lo)
+    ids_overlap = (q_info.lo <= kv_info.hi) & (kv_info.lo <= q_info.hi)  # false when a side has none
+    vis = vis & (ids_overlap | (((q_info.zero & kv_info.zero) & 1) > 0))
+    one_id = ((q_info.lo == q_info.hi) & (kv_info.lo == kv_info.hi) & (q_info.lo == kv_info.lo)
+              & (q_info.zero == 0) & (kv_info.zero == 0))
+    full = full & (one_id | (((q_info.zero & kv_info.zero) & 2) > 0))
   return vis, full
 
 

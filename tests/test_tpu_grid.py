@@ -21,6 +21,7 @@ T = 32768
 BLOCKS = fl.BlockSizes(512, 512, 256, 512)  # v5e's defaults: forward 512 x 512, backward 256 x 512
 MAX_OVERHEAD = 1.25
 DOC = 2048  # 16 packed documents
+PAD = 1000  # "padded": the same documents, the last one cut short by 1,000 padding tokens (id 0)
 
 
 def _key_intervals(mask: str) -> tuple[np.ndarray, np.ndarray]:
@@ -31,7 +32,11 @@ def _key_intervals(mask: str) -> tuple[np.ndarray, np.ndarray]:
   if mask == "window":  # window=(512, 0)
     return np.maximum(i - 512, 0), i
   start = i // DOC * DOC  # "packed": full attention within each document
-  return start, start + DOC - 1
+  end = start + DOC - 1
+  if mask == "padded":  # padding sees padding; the last document ends where it starts
+    start = np.where(i >= T - PAD, T - PAD, start)
+    end = np.where(i >= T - PAD, T - 1, np.minimum(end, T - PAD - 1))
+  return start, end
 
 
 def _visible_tiles(mask: str, block_q: int, block_kv: int) -> int:
@@ -50,7 +55,10 @@ def _kernel_grids(mask: str) -> dict[str, tuple[int, ...]]:
   elif mask == "window":
     kwargs["window"] = (512, 0)
   else:
-    kwargs["segment_ids"] = jnp.asarray(np.arange(T)[None] // DOC, jnp.int32)
+    ids = np.arange(T) // DOC + 1
+    if mask == "padded":
+      ids[T - PAD:] = 0
+    kwargs["segment_ids"] = jnp.asarray(ids[None], jnp.int32)
 
   def loss(q, k, v):
     return fl.attention(q, k, v, **kwargs).astype(jnp.float32).sum()
@@ -98,7 +106,7 @@ def _evaluate(jaxpr, consts, args, grids):
   return [read(v) for v in jaxpr.outvars]
 
 
-@pytest.mark.parametrize("mask", ["causal", "window", "packed"])
+@pytest.mark.parametrize("mask", ["causal", "window", "packed", "padded"])
 def test_grid_steps_are_the_visible_tiles(mask):
   grids = _kernel_grids(mask)
   # Besides the three tile kernels, one small kernel computes rowsum(dO * O) per q block.
