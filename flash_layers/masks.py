@@ -27,7 +27,7 @@ The block map answers the same question for tiles: may *any* query of q block
 ``qb`` attend *any* key of kv block ``kb``? Kernels visit only the visible
 blocks and mask element-wise inside the partially visible ones. The answer is
 conservative (it may say "visible" for a block with no visible pair, never the
-reverse), and exact for causal, windows and contiguous packed documents.
+reverse), and exact for causal, windows and contiguous packed documents, padded with id 0 or not.
 """
 
 from __future__ import annotations
