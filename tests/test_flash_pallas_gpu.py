@@ -123,14 +123,45 @@ def test_bad_block_sizes_name_the_field():
 
 
 def test_config_table_covers_generations_and_head_dims():
-  for generation in ("hopper", "ampere"):
+  for generation in ("hopper", "ampere", "ada"):
     for bucket in (64, 128, 256):
       assert isinstance(gpu.CONFIG_TABLE[(generation, bucket)], gpu.GpuBlockSizes)
   # No GPU here: Hopper defaults; tiles shrink to short sequences but never below 16.
   assert gpu.gpu_generation() == "hopper"
-  q, k, v = _inputs(t=5, s=300, d=128)
+  q, k, v = _inputs(t=5, s=300, d=128, dtype=jnp.bfloat16)
   request, _ = dispatch.prepare(q, k, v)
   assert gpu.block_shape(request, "cuda") == (16, gpu.CONFIG_TABLE[("hopper", 128)].block_kv)
+  assert [gpu.generation_of(c) for c in ("9.0", "10.0", "8.0", "8.7", "8.6", "8.9", "12.0")] == [
+      "hopper", "hopper", "ampere", "ampere", "ada", "ada", "ada"]
+
+
+def _smem(cfg, d, itemsize):
+  """Shared memory per program by the explicit count: resident tiles + (stages - 1) pipelined
+  buffers of the streamed tiles + the probability tile(s), x bytes per element; max of 3 kernels."""
+  fwd_bufs, bwd_bufs = max(cfg.num_stages - 1, 1), max(cfg.num_stages_bwd - 1, 1)
+  forward = cfg.block_q * d + fwd_bufs * cfg.block_kv * 2 * d + cfg.block_q * cfg.block_kv
+  dkv = cfg.block_kv_bwd * 2 * d + bwd_bufs * cfg.block_q_bwd * 2 * d + 2 * cfg.block_q_bwd * cfg.block_kv_bwd
+  dq = cfg.block_q_bwd * 2 * d + bwd_bufs * cfg.block_kv_bwd * 2 * d + cfg.block_q_bwd * cfg.block_kv_bwd
+  return itemsize * max(forward, dkv, dq)
+
+
+@pytest.mark.parametrize("generation", ["hopper", "ampere", "ada"])
+def test_every_table_entry_fits_its_shared_memory(generation):
+  budget = {"hopper": 227 * 1024, "ampere": 163 * 1024, "ada": 99 * 1024}[generation]
+  for bucket in (64, 128, 256):
+    cfg = gpu.CONFIG_TABLE[(generation, bucket)]
+    assert gpu.shared_memory_bytes(cfg, bucket, bucket, 2) == _smem(cfg, bucket, 2)
+    assert _smem(cfg, bucket, 2) <= budget, (generation, bucket, _smem(cfg, bucket, 2) / 1024)
+  # Hopper's d128 forward uses most of it (192 KiB): the table is not sized far below the budget.
+  assert _smem(gpu.CONFIG_TABLE[("hopper", 128)], 128, 2) == 192 * 1024
+
+
+def test_float32_tiles_are_cut_to_fit():
+  q, k, v = _inputs(t=4096, s=4096, h=1, kvh=1, d=128)
+  request, _ = dispatch.prepare(q, k, v)
+  cfg = gpu.config(request)
+  assert _smem(gpu.CONFIG_TABLE[("hopper", 128)], 128, 4) > 227 * 1024  # as tabled: too big
+  assert _smem(cfg, 128, 4) <= 227 * 1024 and cfg.block_q == 128
 
 
 def test_refuses_only_what_it_cannot_do():
