@@ -225,7 +225,7 @@ def test_triton_dots_carry_input_precision(precision, expected):
               walk(o)
 
       walk(module.operation)
-  assert len(kinds) == 9 and set(kinds) == {expected}, kinds
+  assert len(kinds) == 18 and set(kinds) == {expected}, kinds  # 9 dots, interior and edge loops
 
 
 # ----------------------------------------------------------------------------
