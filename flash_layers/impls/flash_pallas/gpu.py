@@ -337,7 +337,7 @@ def _band(st: _GpuCall) -> tuple[int | None, int | None]:
   return lo, hi
 
 
-def _block_ranges(first, last, band, offset, length: int, block: int):
+def _block_ranges(first, last, band, offset, length: int, block: int, xp=jnp):
   """The other side's blocks seen by a block whose real positions are [first, last] (global).
 
   The other side has `length` positions from global position `offset`, in `block`-sized
@@ -345,13 +345,14 @@ def _block_ranges(first, last, band, offset, length: int, block: int):
   full_hi, hi): blocks [lo, hi) hold a visible pair (exactly the tiles `masks.block_map` marks
   visible); [full_lo, full_hi) within it are the interior blocks, whose every position is real
   and seen by every own position, so they need no element mask. The rest are the edges.
+  Element-wise: scalars in the kernels, arrays of blocks with xp=numpy in the tests.
   """
   dmin, dmax = band
   # Local index intervals of the other side, clamped to [0, length - 1] (empty when end < start).
-  seen_start = 0 if dmin is None else jnp.clip(first + dmin - offset, 0, length)
-  seen_end = length - 1 if dmax is None else jnp.clip(last + dmax - offset, -1, length - 1)
-  all_start = 0 if dmin is None else jnp.clip(last + dmin - offset, 0, length)
-  all_end = length - 1 if dmax is None else jnp.clip(first + dmax - offset, -1, length - 1)
+  seen_start = 0 if dmin is None else xp.clip(first + dmin - offset, 0, length)
+  seen_end = length - 1 if dmax is None else xp.clip(last + dmax - offset, -1, length - 1)
+  all_start = 0 if dmin is None else xp.clip(last + dmin - offset, 0, length)
+  all_end = length - 1 if dmax is None else xp.clip(first + dmax - offset, -1, length - 1)
   # 0 blocks when nothing is seen. (A multiply: Pallas Triton lowers a scalar `where` with a
   # literal branch to an i1 value.)
   seen = (seen_start <= seen_end) * 1
@@ -359,9 +360,9 @@ def _block_ranges(first, last, band, offset, length: int, block: int):
   hi = seen * (seen_end // block + 1)
   # Interior: whole blocks inside [all_start, all_end]; all_end <= length - 1 leaves out a ragged
   # last block, whose positions past the length must be masked.
-  full_lo = jnp.clip((all_start + block - 1) // block, lo, hi)
-  full_hi = jnp.clip((all_end + 1) // block, full_lo, hi)
-  return tuple(jnp.asarray(x, jnp.int32) for x in (lo, full_lo, full_hi, hi))
+  full_lo = xp.clip((all_start + block - 1) // block, lo, hi)
+  full_hi = xp.clip((all_end + 1) // block, full_lo, hi)
+  return tuple(xp.asarray(x, xp.int32) for x in (lo, full_lo, full_hi, hi))
 
 
 def _visit_ranges(ranges, visit, carry):
