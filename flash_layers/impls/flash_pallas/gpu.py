@@ -4,12 +4,11 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 
 * Forward: one program per (q block, batch * head). The program keeps its q tile
   in registers and loops (`lax.fori_loop`, an `scf.for` in Triton) over the kv
-  blocks that the mask makes visible to it, taken from `masks.block_map`: blocks
-  no query of the tile can see are never loaded. Softmax is online, in float32
-  and in base 2 (`exp2` is one instruction): a running row max `m`, a running
-  denominator and an unnormalised accumulator, rescaled whenever the max
-  grows. It writes the output and the row logsumexp (natural log, `-inf` for a
-  row that sees no key; its output is zeros).
+  blocks that the mask makes visible to it: blocks no query of the tile can see
+  are never loaded. Softmax is online, in float32 and in base 2 (`exp2` is one
+  instruction): a running row max `m`, a running denominator and an unnormalised
+  accumulator, rescaled whenever the max grows. It writes the output and the row
+  logsumexp (natural log, `-inf` for a row that sees no key; its output is zeros).
 * Backward (custom VJP, from the saved logsumexp, nothing of size q x kv kept):
   P is recomputed tile by tile as exp(s - lse). With D_i = rowsum(dO * O)_i -
   dlse_i (the cotangent of lse enters here, so ring attention can differentiate
@@ -17,29 +16,37 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
   atomics:
     - dK/dV: one program per (kv block, batch * kv head). It loops over the
       query heads of its GQA group and, per head, over the q blocks that see the
-      kv block (`q_index`/`q_count` of the block map), accumulating dV += P^T dO
-      and dK += dS^T Q in float32. A group's heads sum inside the program, so K/V
-      are never repeated and no reduction over heads follows.
+      kv block, accumulating dV += P^T dO and dK += dS^T Q in float32. A group's
+      heads sum inside the program, so K/V are never repeated and no reduction
+      over heads follows.
     - dQ: one program per (q block, batch * head), looping over visible kv
       blocks like the forward: dQ += dS K.
+* Which blocks a program visits. Causal and windows make the keys a query sees
+  one interval of positions, so without segment ids each program computes its
+  range from the global offsets (`q_offset`/`kv_offset`, possibly traced, in a
+  tiny int32 array) and the tile sizes (`_block_ranges`): the interior blocks,
+  where every pair is visible and every position real, run in a loop with no
+  element mask and no `cond`; the edge blocks (the diagonal, window edges, the
+  ragged last block) run in a second loop with the mask. With segment ids
+  (packed documents) or global tokens the visible set is not one interval: the
+  kernels walk the lists of `masks.block_map` and its per-tile `full` flag skips
+  the mask behind an `scf.if`. The element mask is `masks.visible` itself.
+* Any length and head_dim 16..256 without copies: q/k/v/dO stay as given in HBM.
+  BlockSpecs are block multiples long and powers of two wide (what `tl.dot`
+  wants); tiles are read with masked loads (rows past the length and columns
+  past head_dim read as 0, lse as +inf) and written with masked stores. Keys past
+  kv_len are masked to -inf in edge tiles; query rows past q_len compute
+  harmless values that are never stored (in dK/dV their lse is +inf: P = 0).
 * GQA: program (.., b * h) reads kv head h // (num_heads // num_kv_heads).
-* Any length: q and kv are padded inside to a block multiple; padded keys are
-  masked; padded query rows are computed and dropped.
-* head_dim 16..256: padded to a power of two (what `tl.dot` wants); the zero
-  columns change neither logits nor outputs.
 * Dropout and ALiBi: each tile hashes its keep mask (`dropout.keep`, the function every
   impl uses) and its ALiBi term from global positions, in the forward and again in
   both backward kernels. Slopes and per-(batch, head) dropout streams come in the
   small int32 offsets table (`dropout.kernel_table`).
-* Masks: positions are global (`q_offset`/`kv_offset`, possibly traced, come in
-  as a tiny int32 array), and the element predicate inside a tile is
-  `masks.visible` itself, the one definition every impl uses. Tiles the block
-  map marks `full` (every pair visible: most tiles of a long causal or packed
-  sequence) skip the element mask behind an `scf.if`.
 
 Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
-GPU generation and head_dim, and can be overridden per call with
-`fl.attention(..., block_sizes=fl.GpuBlockSizes(...))`.
+GPU generation and head_dim, each row citing its yardstick and sized to the
+generation's shared memory (`shared_memory_bytes`), and can be overridden per call
+with `fl.attention(..., block_sizes=fl.GpuBlockSizes(...))`.
 """
 
 from __future__ import annotations
