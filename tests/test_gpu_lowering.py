@@ -59,6 +59,8 @@ SHAPES = {
     "d64_gqa_causal": (1, 512, 8, 2, 64, {"causal": True}, False),
     "d128_packed_causal": (2, 384, 4, 4, 128, {"causal": True}, True),
     "d64_length_333_window_softcap": (1, 333, 2, 1, 64, {"window": (32, 0), "softcap": 20.0}, False),
+    # masked loads: 1000 rows (no block multiple) and head_dim 80 (no power of two), unpadded
+    "d80_length_1000_causal": (1, 1000, 4, 2, 80, {"causal": True}, False),
 }
 
 

@@ -4,12 +4,11 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 
 * Forward: one program per (q block, batch * head). The program keeps its q tile
   in registers and loops (`lax.fori_loop`, an `scf.for` in Triton) over the kv
-  blocks that the mask makes visible to it, taken from `masks.block_map`: blocks
-  no query of the tile can see are never loaded. Softmax is online, in float32
-  and in base 2 (`exp2` is one instruction): a running row max `m`, a running
-  denominator and an unnormalised accumulator, rescaled whenever the max
-  grows. It writes the output and the row logsumexp (natural log, `-inf` for a
-  row that sees no key; its output is zeros).
+  blocks that the mask makes visible to it: blocks no query of the tile can see
+  are never loaded. Softmax is online, in float32 and in base 2 (`exp2` is one
+  instruction): a running row max `m`, a running denominator and an unnormalised
+  accumulator, rescaled whenever the max grows. It writes the output and the row
+  logsumexp (natural log, `-inf` for a row that sees no key; its output is zeros).
 * Backward (custom VJP, from the saved logsumexp, nothing of size q x kv kept):
   P is recomputed tile by tile as exp(s - lse). With D_i = rowsum(dO * O)_i -
   dlse_i (the cotangent of lse enters here, so ring attention can differentiate
@@ -17,29 +16,37 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
   atomics:
     - dK/dV: one program per (kv block, batch * kv head). It loops over the
       query heads of its GQA group and, per head, over the q blocks that see the
-      kv block (`q_index`/`q_count` of the block map), accumulating dV += P^T dO
-      and dK += dS^T Q in float32. A group's heads sum inside the program, so K/V
-      are never repeated and no reduction over heads follows.
+      kv block, accumulating dV += P^T dO and dK += dS^T Q in float32. A group's
+      heads sum inside the program, so K/V are never repeated and no reduction
+      over heads follows.
     - dQ: one program per (q block, batch * head), looping over visible kv
       blocks like the forward: dQ += dS K.
+* Which blocks a program visits. Causal and windows make the keys a query sees
+  one interval of positions, so without segment ids each program computes its
+  range from the global offsets (`q_offset`/`kv_offset`, possibly traced, in a
+  tiny int32 array) and the tile sizes (`_block_ranges`): the interior blocks,
+  where every pair is visible and every position real, run in a loop with no
+  element mask and no `cond`; the edge blocks (the diagonal, window edges, the
+  ragged last block) run in a second loop with the mask. With segment ids
+  (packed documents) or global tokens the visible set is not one interval: the
+  kernels walk the lists of `masks.block_map` and its per-tile `full` flag skips
+  the mask behind an `scf.if`. The element mask is `masks.visible` itself.
+* Any length and head_dim 16..256 without copies: q/k/v/dO stay as given in HBM.
+  BlockSpecs are block multiples long and powers of two wide (what `tl.dot`
+  wants); tiles are read with masked loads (rows past the length and columns
+  past head_dim read as 0, lse as +inf) and written with masked stores. Keys past
+  kv_len are masked to -inf in edge tiles; query rows past q_len compute
+  harmless values that are never stored (in dK/dV their lse is +inf: P = 0).
 * GQA: program (.., b * h) reads kv head h // (num_heads // num_kv_heads).
-* Any length: q and kv are padded inside to a block multiple; padded keys are
-  masked; padded query rows are computed and dropped.
-* head_dim 16..256: padded to a power of two (what `tl.dot` wants); the zero
-  columns change neither logits nor outputs.
 * Dropout and ALiBi: each tile hashes its keep mask (`dropout.keep`, the function every
   impl uses) and its ALiBi term from global positions, in the forward and again in
   both backward kernels. Slopes and per-(batch, head) dropout streams come in the
   small int32 offsets table (`dropout.kernel_table`).
-* Masks: positions are global (`q_offset`/`kv_offset`, possibly traced, come in
-  as a tiny int32 array), and the element predicate inside a tile is
-  `masks.visible` itself, the one definition every impl uses. Tiles the block
-  map marks `full` (every pair visible: most tiles of a long causal or packed
-  sequence) skip the element mask behind an `scf.if`.
 
 Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
-GPU generation and head_dim, and can be overridden per call with
-`fl.attention(..., block_sizes=fl.GpuBlockSizes(...))`.
+GPU generation and head_dim, each row citing its yardstick and sized to the
+generation's shared memory (`shared_memory_bytes`), and can be overridden per call
+with `fl.attention(..., block_sizes=fl.GpuBlockSizes(...))`.
 """
 
 from __future__ import annotations
@@ -57,7 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes, pad_to, round_up
+from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes, round_up
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -69,44 +76,89 @@ MAX_GRID_Y = 65535
 
 
 # ----------------------------------------------------------------------------
-# Configuration: one table for every GPU generation we tune for
+# Configuration: one table per GPU generation and head_dim bucket
 # ----------------------------------------------------------------------------
 
-# (generation, largest head_dim of the bucket) -> defaults. Starting points from
-# the usual FlashAttention-2 Triton settings, sized to each generation's shared
-# memory (Hopper: 227 KiB per block, A100: 163 KiB, consumer Ampere/Ada: 99 KiB,
-# hence the smaller "ampere" stages). Not yet tuned on hardware: see docs/kernels.md.
-#
-#   gen     head_dim  fwd q x kv  warps stages | bwd q x kv  warps stages
-#   hopper    <=64     128 x 64     4     3    |   64 x 64     4     2
-#   hopper   <=128     128 x 64     8     3    |   64 x 64     8     2
-#   hopper   <=256      64 x 32     8     2    |   32 x 32     8     1
-#   ampere    <=64     128 x 64     4     3    |   64 x 64     4     2
-#   ampere   <=128     128 x 32     8     2    |   64 x 32     8     1
-#   ampere   <=256      64 x 32     8     1    |   32 x 32     4     1
+# Shared memory one program (thread block) may use, by generation: H100/H200 228 KiB per SM, 227
+# per block; A100 (sm_80) 164 / 163; consumer Ampere and Ada (sm_86, sm_89) 100 / 99 (CUDA C
+# Programming Guide, "Compute capabilities").
+SHARED_MEMORY = {"hopper": 227 * 1024, "ampere": 163 * 1024, "ada": 99 * 1024}
+
+# (generation, head_dim bucket) -> defaults, GpuBlockSizes(fwd q, fwd kv, bwd q, bwd kv, fwd warps,
+# fwd stages, bwd warps, bwd stages). Yardsticks: jax's Pallas mha defaults
+# (jax/experimental/pallas/ops/gpu/attention.py: forward 128 x 128, 4 warps at head_dim <= 64 else
+# 8, 2 stages; backward 32 x 32) and tokamax's autotuned H100 picks for its Pallas-Triton flash
+# attention (tokamax/data/autotuning/nvidia_h100_80gb_hbm3/pallas_triton_flash_attention{,_vjp}.json,
+# bf16, 2k-16k tokens). Every entry fits its generation's shared memory by `shared_memory_bytes`
+# (tests/test_flash_pallas_gpu.py checks it). Not tuned on hardware here: see docs/kernels.md.
 CONFIG_TABLE: dict[tuple[str, int], GpuBlockSizes] = {
-    ("hopper", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 2),
-    ("hopper", 128): GpuBlockSizes(128, 64, 64, 64, 8, 3, 8, 2),
-    ("hopper", 256): GpuBlockSizes(64, 32, 32, 32, 8, 2, 8, 1),
-    ("ampere", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 2),
-    ("ampere", 128): GpuBlockSizes(128, 32, 64, 32, 8, 2, 8, 1),
-    ("ampere", 256): GpuBlockSizes(64, 32, 32, 32, 8, 1, 4, 1),
+    # tokamax H100 d64 at 2k-16k: forward 128 x 64, 3 stages, 4 warps (causal); backward 64 x 64,
+    # 3 stages, 4 warps. Forward 64 KiB, dK/dV 64 KiB: 4 warps hold the 64-wide accumulator.
+    ("hopper", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 3),
+    # tokamax H100 d128 at 8k/16k: forward 128 x 128, 3 stages, 8 warps (jax's mha: 128 x 128,
+    # 8 warps); backward 64 x 64, 2 stages, 4 warps. Forward 192 KiB of 227: the largest that fits.
+    ("hopper", 128): GpuBlockSizes(128, 128, 64, 64, 8, 3, 4, 2),
+    # tokamax H100 d256 at 8k/16k: forward 128 x 32, 3 stages, 8 warps (the 256-wide float32
+    # accumulator needs 8 warps' registers); backward 64 x 32, 3 stages, 4 warps (dK/dV 168 KiB).
+    ("hopper", 256): GpuBlockSizes(128, 32, 64, 32, 8, 3, 4, 3),
+    # A100: the Hopper d64 tiles already fit 163 KiB (64 KiB); same 64K registers per SM.
+    ("ampere", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 3),
+    # Hopper's 128 x 128 x 3 stages is 192 KiB > 163: halve the kv tile, keep 3 stages (112 KiB;
+    # jax's 128 x 128 x 2 stages would be 128 KiB). Backward as Hopper (80 KiB).
+    ("ampere", 128): GpuBlockSizes(128, 64, 64, 64, 8, 3, 4, 2),
+    # Hopper's d256 tiles with one stage fewer: forward 104 KiB, dK/dV 104 KiB (168 with 3 stages).
+    ("ampere", 256): GpuBlockSizes(128, 32, 64, 32, 8, 2, 4, 2),
+    # Consumer Ampere / Ada (99 KiB): no published yardstick; the A100 rows cut to fit. d64: the
+    # A100 row fits as it is (64 KiB).
+    ("ada", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 3),
+    # A100's 112 KiB forward does not fit: 2 stages (80 KiB); backward 80 KiB.
+    ("ada", 128): GpuBlockSizes(128, 64, 64, 64, 8, 2, 4, 2),
+    # tokamax's short causal H100 d256 pick, 64 x 32 x 2 stages (68 KiB); backward 32 x 32 (68 KiB).
+    ("ada", 256): GpuBlockSizes(64, 32, 32, 32, 4, 2, 4, 2),
 }
+
+
+def shared_memory_bytes(cfg: GpuBlockSizes, head_dim: int, head_dim_v: int, itemsize: int) -> int:
+  """Shared memory of the largest of the three kernels for these tiles (an estimate, in bytes).
+
+  Per program: the tiles it keeps (its q, or its k and v, block), num_stages - 1 pipelined
+  buffers of the tiles its loop streams (Triton's pipeliner keeps num_stages - 1 loads in flight;
+  with num_stages buffers tokamax's measured H100 d128 pick, 128 x 128 x 3 stages, would need
+  256 KiB and could not launch), and the [block_q, block_kv] probability tile (and dS in dK/dV)
+  that goes through shared memory on its way to the next dot. Widths are the padded (power of
+  two) head dims.
+  """
+  d, dv = max(MIN_GPU_TILE, pl.next_power_of_2(head_dim)), max(MIN_GPU_TILE, pl.next_power_of_2(head_dim_v))
+  fwd_buffers, bwd_buffers = max(cfg.num_stages - 1, 1), max(cfg.num_stages_bwd - 1, 1)
+  bq, bk, bq2, bk2 = cfg.block_q, cfg.block_kv, cfg.block_q_bwd, cfg.block_kv_bwd
+  forward = bq * d + fwd_buffers * bk * (d + dv) + bq * bk
+  dkv = bk2 * (d + dv) + bwd_buffers * bq2 * (d + dv) + 2 * bq2 * bk2
+  dq = bq2 * (d + dv) + bwd_buffers * bk2 * (d + dv) + bq2 * bk2
+  return itemsize * max(forward, dkv, dq)
 
 
 @functools.cache
 def gpu_generation() -> str:
-  """'hopper' (sm_90+) or 'ampere' (sm_8x) from the local GPU; 'hopper' when there is none."""
+  """The CONFIG_TABLE generation of the local GPU; 'hopper' when there is none (CPU lowering)."""
   try:
     device = jax.local_devices(backend="gpu")[0]
   except (RuntimeError, ValueError):  # no GPU backend in this process
     return "hopper"
-  capability = str(getattr(device, "compute_capability", "9.0"))
+  return generation_of(str(getattr(device, "compute_capability", "9.0")))
+
+
+def generation_of(capability: str) -> str:
+  """'hopper' for sm_90/sm_100 (227 KiB of shared memory per block), 'ampere' for sm_80/sm_87
+  (163 KiB), 'ada' for the consumer parts sm_86/sm_89/sm_12x (99 KiB); unknown strings: hopper."""
   try:
-    major = int(capability.split(".")[0])
+    major, minor = (int(x) for x in capability.split(".")[:2])
   except ValueError:
     return "hopper"
-  return "ampere" if major < 9 else "hopper"
+  if major in (9, 10, 11):
+    return "hopper"
+  if major == 8 and minor in (0, 7):
+    return "ampere"
+  return "ada" if major in (8, 12) else "hopper"
 
 
 def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
@@ -130,11 +182,34 @@ def _fit(block: int, length: int) -> int:
   return max(MIN_GPU_TILE, min(block, pl.next_power_of_2(length)))
 
 
+def _fit_float32(cfg: GpuBlockSizes, request: Request, budget: int) -> GpuBlockSizes:
+  """The table is sized for 2-byte inputs; float32 tiles are twice the bytes. Drop pipeline
+  stages, then halve the kv and q tiles, until the estimate fits the budget."""
+  while shared_memory_bytes(cfg, request.head_dim, request.head_dim_v, 4) > budget:
+    if max(cfg.num_stages, cfg.num_stages_bwd) > 2:
+      cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 2),
+                                num_stages_bwd=min(cfg.num_stages_bwd, 2))
+    elif max(cfg.block_kv, cfg.block_kv_bwd) > 32:
+      cfg = dataclasses.replace(cfg, block_kv=max(cfg.block_kv // 2, 32),
+                                block_kv_bwd=max(cfg.block_kv_bwd // 2, 32))
+    elif max(cfg.block_q, cfg.block_q_bwd) > 32:
+      cfg = dataclasses.replace(cfg, block_q=max(cfg.block_q // 2, 32),
+                                block_q_bwd=max(cfg.block_q_bwd // 2, 32))
+    else:
+      break
+  return cfg
+
+
 def config(request: Request) -> GpuBlockSizes:
-  """The table entry for this GPU and head_dim, overridden by request.block_sizes, fit to the lengths."""
+  """The table entry for this GPU and head_dim (float32: cut to fit shared memory), overridden by
+  request.block_sizes, fit to the lengths."""
   head_dim = max(request.head_dim, request.head_dim_v)
   bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-  cfg = _override(CONFIG_TABLE[(gpu_generation(), bucket)], request.block_sizes)
+  generation = gpu_generation()
+  cfg = CONFIG_TABLE[(generation, bucket)]
+  if jnp.dtype(request.dtype).itemsize > 2:
+    cfg = _fit_float32(cfg, request, SHARED_MEMORY[generation])
+  cfg = _override(cfg, request.block_sizes)
   return dataclasses.replace(
       cfg, block_q=_fit(cfg.block_q, request.q_len), block_kv=_fit(cfg.block_kv, request.kv_len),
       block_q_bwd=_fit(cfg.block_q_bwd, request.q_len),
@@ -182,30 +257,132 @@ class _GpuCall:
     return self.request.has_segment_ids
 
   @property
+  def arithmetic(self) -> bool:
+    """Whether each block's visible blocks are one range computed from the offsets (causal,
+    windows, neither) rather than listed by `masks.block_map` (segment ids; global tokens, whose
+    visible set is the band plus the first rows and columns: not one interval)."""
+    return not self.has_segments and not self.request.spec.global_tokens
+
+  @property
   def group(self) -> int:
     return self.request.num_heads // self.request.num_kv_heads
 
   @property
-  def q_pad(self) -> int:  # padded q length: a multiple of every q tile
-    return round_up(self.request.q_len, max(self.cfg.block_q, self.cfg.block_q_bwd))
-
-  @property
-  def kv_pad(self) -> int:
-    return round_up(self.request.kv_len, max(self.cfg.block_kv, self.cfg.block_kv_bwd))
-
-  @property
-  def d_pad(self) -> int:
+  def d_pad(self) -> int:  # tile width: `tl.dot` and `tl.arange` want powers of two
     return max(MIN_GPU_TILE, pl.next_power_of_2(self.request.head_dim))
 
   @property
   def dv_pad(self) -> int:
     return max(MIN_GPU_TILE, pl.next_power_of_2(self.request.head_dim_v))
 
-  @property
-  def needs_mask(self) -> bool:
-    """Whether tiles need the element mask at all (else every loaded pair is visible)."""
-    return (self.request.spec.causal or self.request.spec.window is not None or self.has_segments
-            or self.request.kv_len != self.kv_pad)
+  def needs_mask(self, block_kv: int) -> bool:
+    """Whether any tile needs the element mask (else every loaded pair is visible)."""
+    spec = self.request.spec
+    return (spec.causal or spec.window is not None or self.has_segments
+            or self.request.kv_len % block_kv != 0)
+
+
+# ----------------------------------------------------------------------------
+# Masked tile loads and stores: q/k/v/dO stay unpadded in HBM
+# ----------------------------------------------------------------------------
+
+def _tile_mask(ref, start, length: int | None, width: int | None):
+  """The load/store mask of `ref` (a [rows] or [rows, width_pad] view): rows at or past `length`
+  (global index start + i) and columns at or past `width`; None where nothing is cut off."""
+  mask = None
+  if length is not None:
+    rows = start + jnp.arange(ref.shape[0], dtype=jnp.int32) < length
+    mask = rows if len(ref.shape) == 1 else rows[:, None]
+  if width is not None and width != ref.shape[-1]:
+    cols = (jnp.arange(ref.shape[-1], dtype=jnp.int32) < width)[None, :]
+    mask = cols if mask is None else mask & cols
+  return None if mask is None else jnp.broadcast_to(mask, ref.shape)
+
+
+def _load(ref, start=0, length: int | None = None, width: int | None = None, other=0.0):
+  """A tile of `ref` with the rows past `length` and columns past `width` read as `other`.
+
+  The BlockSpecs are powers of two (head_dim) and block multiples (lengths) wide, the arrays
+  are not: Triton's masked loads never touch the memory past the array, and interpret mode
+  pads the blocks itself. Pass length=None where every row of the tile is known to be real.
+  """
+  mask = _tile_mask(ref, start, length, width)
+  if mask is None:
+    return ref[...]
+  if jnp.issubdtype(ref.dtype, jnp.integer):  # segment ids: a float `other` would promote them
+    other = int(other)
+  return plgpu.load(ref, mask=mask, other=other)
+
+
+def _store(ref, value, start=0, length: int | None = None, width: int | None = None):
+  """Write `value`, leaving rows past `length` and columns past `width` of the array untouched."""
+  mask = _tile_mask(ref, start, length, width)
+  if mask is None:
+    ref[...] = value
+  else:
+    plgpu.store(ref, value, mask=mask)
+
+
+def _ragged(length: int, block: int) -> int | None:
+  """`length` when the last block holds positions past it (loads must mask rows), else None."""
+  return length if length % block else None
+
+
+# ----------------------------------------------------------------------------
+# Visible block ranges by arithmetic (no segment ids)
+# ----------------------------------------------------------------------------
+
+def _band(st: _GpuCall) -> tuple[int | None, int | None]:
+  """(lo, hi): causal and windows make key position - query position of a visible pair lie in
+  [lo, hi] (`masks.visible`); None is unbounded."""
+  spec = st.request.spec
+  lo = hi = None
+  if spec.window is not None:
+    lo, hi = -spec.window[0], spec.window[1]
+  if spec.causal:
+    hi = 0 if hi is None else min(hi, 0)
+  return lo, hi
+
+
+def _block_ranges(first, last, band, offset, length: int, block: int, xp=jnp):
+  """The other side's blocks seen by a block whose real positions are [first, last] (global).
+
+  The other side has `length` positions from global position `offset`, in `block`-sized
+  blocks; a pair is visible when (other - own position) lies in `band`. Returns (lo, full_lo,
+  full_hi, hi): blocks [lo, hi) hold a visible pair (exactly the tiles `masks.block_map` marks
+  visible); [full_lo, full_hi) within it are the interior blocks, whose every position is real
+  and seen by every own position, so they need no element mask. The rest are the edges.
+  Element-wise: scalars in the kernels, arrays of blocks with xp=numpy in the tests.
+  """
+  dmin, dmax = band
+  # Local index intervals of the other side, clamped to [0, length - 1] (empty when end < start).
+  seen_start = 0 if dmin is None else xp.clip(first + dmin - offset, 0, length)
+  seen_end = length - 1 if dmax is None else xp.clip(last + dmax - offset, -1, length - 1)
+  all_start = 0 if dmin is None else xp.clip(last + dmin - offset, 0, length)
+  all_end = length - 1 if dmax is None else xp.clip(first + dmax - offset, -1, length - 1)
+  # 0 blocks when nothing is seen. (A multiply: Pallas Triton lowers a scalar `where` with a
+  # literal branch to an i1 value.)
+  seen = (seen_start <= seen_end) * 1
+  lo = seen * (seen_start // block)
+  hi = seen * (seen_end // block + 1)
+  # Interior: whole blocks inside [all_start, all_end]; all_end <= length - 1 leaves out a ragged
+  # last block, whose positions past the length must be masked.
+  full_lo = xp.clip((all_start + block - 1) // block, lo, hi)
+  full_hi = xp.clip((all_end + 1) // block, full_lo, hi)
+  return tuple(xp.asarray(x, xp.int32) for x in (lo, full_lo, full_hi, hi))
+
+
+def _visit_ranges(ranges, visit, carry):
+  """Run `visit(block, carry, masked)` over a range: the interior blocks in a loop with no element
+  mask (and no `cond`), then the edges before and after it with the mask."""
+  lo, full_lo, full_hi, hi = ranges
+  carry = lax.fori_loop(full_lo, full_hi, lambda block, c: visit(block, c, False), carry)
+  before = full_lo - lo
+
+  def edge(i, c):
+    return visit(jnp.where(i < before, lo + i, full_hi + (i - before)), c, True)
+
+  return lax.fori_loop(0, before + hi - full_hi, edge, carry)
 
 
 # ----------------------------------------------------------------------------
@@ -248,12 +425,13 @@ def _dot(st: _GpuCall, a, b, contract):
                          preferred_element_type=jnp.float32)
 
 
-def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full, offsets_ref,
+def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
                  q_seg, kv_seg, alibi=None):
   """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
 
-  `full` (from the block map) says every pair of the tile is visible: the element
-  mask is then skipped (most tiles of a long causal or packed sequence are full).
+  masked: False for an interior tile (every pair visible: no element mask), True for an edge
+  tile, or the block map's traced `full` flag (segment ids), decided per tile behind a `cond`.
+  Keys past kv_len (zeros from the masked loads) are masked like invisible ones.
   Returns (s2, tanh_t): s2 = logits * log2(e) in float32; tanh_t is tanh(x / softcap)
   (needed by the backward's chain rule) or None without softcap.
   """
@@ -269,7 +447,7 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full,
       x = x + alibi
     tanh_t = jnp.tanh(x * (1.0 / st.request.softcap))
     s2 = tanh_t * (st.request.softcap * LOG2E)
-  if not st.needs_mask:
+  if masked is False or not st.needs_mask(block_kv):
     return s2, tanh_t
 
   def element_mask(s2):
@@ -280,11 +458,13 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, full,
     ok = masks.visible(q_pos, kv_pos, st.request.spec,
                        None if q_seg is None else q_seg[:, None],
                        None if kv_seg is None else kv_seg[None, :])
-    if st.request.kv_len != st.kv_pad:
+    if st.request.kv_len % block_kv:
       ok = ok & (kv_local < st.request.kv_len)[None, :]
     return jnp.where(ok, s2, -jnp.inf)
 
-  return lax.cond(full != 0, lambda s2: s2, element_mask, s2), tanh_t
+  if masked is True:
+    return element_mask(s2), tanh_t
+  return lax.cond(masked != 0, element_mask, lambda s2: s2, s2), tanh_t
 
 
 def _grad_logits(st: _GpuCall, p, dp, delta, tanh_t):
@@ -295,33 +475,72 @@ def _grad_logits(st: _GpuCall, p, dp, delta, tanh_t):
   return ds
 
 
+def _walk(st: _GpuCall, offsets_ref, table, own_block, own_size, own_len, other_size, other_len,
+          by_q: bool, visit, carry, map_row=0):
+  """Run `visit(other_block, carry, masked)` over the blocks the own block sees.
+
+  by_q: the own block is a q block walking kv blocks (forward, dQ); else a kv block walking q
+  blocks (dK/dV). Without segment ids the range is arithmetic (`_block_ranges`); with them the
+  block map's list (`table`: index, count, full refs) drives one loop and its `full` flag.
+  """
+  if st.arithmetic:
+    own_offset, other_offset = (offsets_ref[0], offsets_ref[1]) if by_q else (offsets_ref[1], offsets_ref[0])
+    first = own_offset + own_block * own_size
+    last = own_offset + jnp.minimum(own_block * own_size + own_size, own_len) - 1
+    lo, hi = _band(st)
+    band = (lo, hi) if by_q else (None if hi is None else -hi, None if lo is None else -lo)
+    ranges = _block_ranges(first, last, band, other_offset, other_len, other_size)
+    return _visit_ranges(ranges, visit, carry)
+  index_ref, count_ref, full_ref = table
+
+  def step(i, c):
+    masked = 1 - full_ref[map_row, own_block, i]
+    return visit(index_ref[map_row, own_block, i], c, masked)
+
+  return lax.fori_loop(0, count_ref[map_row, own_block], step, carry)
+
+
 # ----------------------------------------------------------------------------
 # Forward kernel
 # ----------------------------------------------------------------------------
 
+def _split_refs(st: _GpuCall, refs):
+  """(offsets, block map table or None, (q_seg, kv_seg) or None, the rest) of a kernel's refs."""
+  offsets_ref, refs = refs[0], refs[1:]
+  table = None
+  if not st.arithmetic:
+    table, refs = refs[:3], refs[3:]
+  segs = None
+  if st.has_segments:
+    segs, refs = refs[:2], refs[2:]
+  return offsets_ref, table, segs, refs
+
+
 def _forward_kernel(st: _GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
-  (offsets_ref, kv_index_ref, kv_count_ref, kv_full_ref), refs = refs[:4], refs[4:]
-  if st.has_segments:
-    (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
-  q_ref, k_ref, v_ref, o_ref, lse_ref = refs
+  offsets_ref, table, segs, (q_ref, k_ref, v_ref, o_ref, lse_ref) = _split_refs(st, refs)
+  r = st.request
   block_q, block_kv = st.cfg.block_q, st.cfg.block_kv
   q_block, bh = pl.program_id(0), pl.program_id(1)
-  batch, head = bh // st.request.num_heads, bh % st.request.num_heads
-  map_row = batch if st.has_segments else 0  # block map batch row
+  batch, head = bh // r.num_heads, bh % r.num_heads
+  q_start = q_block * block_q
+  q_rows = _ragged(r.q_len, block_q)
+  kv_rows = _ragged(r.kv_len, block_kv)
 
-  q = q_ref[...]
-  q_seg = q_seg_ref[...] if st.has_segments else None
+  q = _load(q_ref, q_start, q_rows, r.head_dim)
+  q_seg = _load(segs[0], q_start, q_rows) if segs else None
 
-  def visit(step, carry):
+  def visit(kv_block, carry, masked):
     acc, m, denom = carry
-    kv_block = kv_index_ref[map_row, q_block, step]
     kv_slice = pl.ds(kv_block * block_kv, block_kv)
-    kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
+    start = kv_block * block_kv
+    # Interior blocks hold only real keys: unmasked rows. Edge blocks may be the ragged last one.
+    rows = None if masked is False else kv_rows
+    kv_seg = _load(segs[1].at[kv_slice], start, rows) if segs else None
+    k = _load(k_ref.at[kv_slice, :], start, rows, r.head_dim)
     positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
-    s2, _ = _tile_logits(st, q, k_ref[kv_slice, :], q_block, kv_block, block_q, block_kv,
-                         kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg,
-                         _alibi(st, offsets_ref, head, positions))
+    s2, _ = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
+                         q_seg, kv_seg, _alibi(st, offsets_ref, head, positions))
     m_new = jnp.maximum(m, s2.max(axis=-1))
     # A row that has seen only masked keys keeps m = -inf; subtracting 0 instead
     # keeps exp2 at exp2(-inf) = 0 rather than exp2(nan).
@@ -332,18 +551,19 @@ def _forward_kernel(st: _GpuCall, *refs):
     keep = _keep(st, offsets_ref, batch, head, positions)
     if keep is not None:
       p = p * keep
-    v = v_ref[kv_slice, :]
+    v = _load(v_ref.at[kv_slice, :], start, rows, r.head_dim_v)
     pv = _dot(st, p.astype(v.dtype), v, ((1,), (0,)))
     return acc * rescale[:, None] + pv, m_new, denom
 
   init = (jnp.zeros((block_q, st.dv_pad), jnp.float32),
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
-  acc, m, denom = lax.fori_loop(0, kv_count_ref[map_row, q_block], visit, init)
+  acc, m, denom = _walk(st, offsets_ref, table, q_block, block_q, r.q_len, block_kv, r.kv_len,
+                        True, visit, init, map_row=batch if st.has_segments else 0)
 
   seen = denom > 0  # False for a row that sees no key: zeros out, lse = -inf
   denom = jnp.where(seen, denom, 1.0)
-  o_ref[...] = (acc / denom[:, None]).astype(o_ref.dtype)
-  lse_ref[...] = jnp.where(seen, (m + jnp.log2(denom)) * LN2, -jnp.inf)
+  _store(o_ref, (acc / denom[:, None]).astype(o_ref.dtype), q_start, q_rows, r.head_dim_v)
+  _store(lse_ref, jnp.where(seen, (m + jnp.log2(denom)) * LN2, -jnp.inf), q_start, q_rows)
 
 
 # ----------------------------------------------------------------------------
@@ -352,34 +572,37 @@ def _forward_kernel(st: _GpuCall, *refs):
 
 def _dkv_kernel(st: _GpuCall, *refs):
   """One program: kv block `program_id(0)` of (batch, kv head) `program_id(1)`."""
-  (offsets_ref, q_index_ref, q_count_ref, q_full_ref), refs = refs[:4], refs[4:]
-  if st.has_segments:
-    (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
+  offsets_ref, table, segs, refs = _split_refs(st, refs)
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
+  r = st.request
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   kv_block, bkv = pl.program_id(0), pl.program_id(1)
-  batch = bkv // st.request.num_kv_heads
-  first_head = (bkv % st.request.num_kv_heads) * st.group  # the group's first query head
-  map_row = batch if st.has_segments else 0
+  batch = bkv // r.num_kv_heads
+  first_head = (bkv % r.num_kv_heads) * st.group  # the group's first query head
+  kv_start = kv_block * block_kv
+  kv_rows = _ragged(r.kv_len, block_kv)
+  q_rows = _ragged(r.q_len, block_q)
 
-  k, v = k_ref[...], v_ref[...]
-  kv_seg = kv_seg_ref[...] if st.has_segments else None
-  num_q_blocks = q_count_ref[map_row, kv_block]
+  k = _load(k_ref, kv_start, kv_rows, r.head_dim)
+  v = _load(v_ref, kv_start, kv_rows, r.head_dim_v)
+  kv_seg = _load(segs[1], kv_start, kv_rows) if segs else None
 
   def per_head(head, carry):  # head: index within this kv head's query group
-    def visit(step, carry):
+    def visit(q_block, carry, masked):
       dk, dv = carry
-      q_block = q_index_ref[map_row, kv_block, step]
       q_slice = pl.ds(q_block * block_q, block_q)
-      q = q_ref[q_slice, head, :]
-      q_seg = q_seg_ref[q_slice] if st.has_segments else None
+      start = q_block * block_q
+      # Interior q blocks are whole; rows past q_len (edges only) read q = dO = 0 and lse2 = +inf,
+      # so their P and dS are exactly 0.
+      rows = None if masked is False else q_rows
+      q = _load(q_ref.at[q_slice, head, :], start, rows, r.head_dim)
+      q_seg = _load(segs[0].at[q_slice], start, rows) if segs else None
       positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
-      s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv,
-                                q_full_ref[map_row, kv_block, step], offsets_ref, q_seg, kv_seg,
-                                _alibi(st, offsets_ref, first_head + head, positions))
+      s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
+                                q_seg, kv_seg, _alibi(st, offsets_ref, first_head + head, positions))
       # lse2 is +inf for rows that see no key, so their p is exactly 0.
-      p = jnp.exp2(s2 - lse2_ref[head, q_slice][:, None])
-      do = do_ref[q_slice, head, :]
+      p = jnp.exp2(s2 - _load(lse2_ref.at[head, q_slice], start, rows, other=jnp.inf)[:, None])
+      do = _load(do_ref.at[q_slice, head, :], start, rows, r.head_dim_v)
       dp = _dot(st, do, v, ((1,), (1,)))
       # Dropout: dV sums the kept, rescaled p; dP flows only through kept entries; D is unchanged.
       keep = _keep(st, offsets_ref, batch, first_head + head, positions)
@@ -387,57 +610,63 @@ def _dkv_kernel(st: _GpuCall, *refs):
       if keep is not None:
         dp = dp * keep
       dv = dv + _dot(st, pk.astype(do.dtype), do, ((0,), (0,)))
-      ds = _grad_logits(st, p, dp, delta_ref[head, q_slice], tanh_t)
+      ds = _grad_logits(st, p, dp, _load(delta_ref.at[head, q_slice], start, rows), tanh_t)
       dk = dk + _dot(st, ds.astype(q.dtype), q, ((0,), (0,)))
       return dk, dv
 
-    return lax.fori_loop(0, num_q_blocks, visit, carry)
+    # Rows past kv_len of this block may hold junk in interior tiles (their keys are zeros, not
+    # masked): each key's dK/dV row depends on its own column only, and those rows are not stored.
+    return _walk(st, offsets_ref, table, kv_block, block_kv, r.kv_len, block_q, r.q_len, False,
+                 visit, carry, map_row=batch if st.has_segments else 0)
 
   init = (jnp.zeros((block_kv, st.d_pad), jnp.float32), jnp.zeros((block_kv, st.dv_pad), jnp.float32))
   dk, dv = lax.fori_loop(0, st.group, per_head, init)
-  dk_ref[...] = (dk * st.request.scale).astype(dk_ref.dtype)
-  dv_ref[...] = dv.astype(dv_ref.dtype)
+  _store(dk_ref, (dk * r.scale).astype(dk_ref.dtype), kv_start, kv_rows, r.head_dim)
+  _store(dv_ref, dv.astype(dv_ref.dtype), kv_start, kv_rows, r.head_dim_v)
 
 
 def _dq_kernel(st: _GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
-  (offsets_ref, kv_index_ref, kv_count_ref, kv_full_ref), refs = refs[:4], refs[4:]
-  if st.has_segments:
-    (q_seg_ref, kv_seg_ref), refs = refs[:2], refs[2:]
+  offsets_ref, table, segs, refs = _split_refs(st, refs)
   q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
+  r = st.request
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   q_block, bh = pl.program_id(0), pl.program_id(1)
-  batch, head = bh // st.request.num_heads, bh % st.request.num_heads
-  map_row = batch if st.has_segments else 0
+  batch, head = bh // r.num_heads, bh % r.num_heads
+  q_start = q_block * block_q
+  q_rows = _ragged(r.q_len, block_q)
+  kv_rows = _ragged(r.kv_len, block_kv)
 
-  q, do = q_ref[...], do_ref[...]
-  lse2, delta = lse2_ref[...], delta_ref[...]
-  q_seg = q_seg_ref[...] if st.has_segments else None
+  q = _load(q_ref, q_start, q_rows, r.head_dim)
+  do = _load(do_ref, q_start, q_rows, r.head_dim_v)
+  lse2 = _load(lse2_ref, q_start, q_rows, other=jnp.inf)
+  delta = _load(delta_ref, q_start, q_rows)
+  q_seg = _load(segs[0], q_start, q_rows) if segs else None
 
-  def visit(step, dq):
-    kv_block = kv_index_ref[map_row, q_block, step]
+  def visit(kv_block, dq, masked):
     kv_slice = pl.ds(kv_block * block_kv, block_kv)
-    kv_seg = kv_seg_ref[kv_slice] if st.has_segments else None
-    k = k_ref[kv_slice, :]
+    start = kv_block * block_kv
+    rows = None if masked is False else kv_rows
+    kv_seg = _load(segs[1].at[kv_slice], start, rows) if segs else None
+    k = _load(k_ref.at[kv_slice, :], start, rows, r.head_dim)
     positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
-    s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv,
-                              kv_full_ref[map_row, q_block, step], offsets_ref, q_seg, kv_seg,
-                              _alibi(st, offsets_ref, head, positions))
+    s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
+                              q_seg, kv_seg, _alibi(st, offsets_ref, head, positions))
     p = jnp.exp2(s2 - lse2[:, None])
-    dp = _dot(st, do, v_ref[kv_slice, :], ((1,), (1,)))
+    dp = _dot(st, do, _load(v_ref.at[kv_slice, :], start, rows, r.head_dim_v), ((1,), (1,)))
     keep = _keep(st, offsets_ref, batch, head, positions)
     if keep is not None:
       dp = dp * keep
     ds = _grad_logits(st, p, dp, delta, tanh_t)
     return dq + _dot(st, ds.astype(k.dtype), k, ((1,), (0,)))
 
-  dq = lax.fori_loop(0, kv_count_ref[map_row, q_block], visit,
-                     jnp.zeros((block_q, st.d_pad), jnp.float32))
-  dq_ref[...] = (dq * st.request.scale).astype(dq_ref.dtype)
+  dq = _walk(st, offsets_ref, table, q_block, block_q, r.q_len, block_kv, r.kv_len, True, visit,
+             jnp.zeros((block_q, st.d_pad), jnp.float32), map_row=batch if st.has_segments else 0)
+  _store(dq_ref, (dq * r.scale).astype(dq_ref.dtype), q_start, q_rows, r.head_dim)
 
 
 # ----------------------------------------------------------------------------
-# pallas_call wrappers (arrays already padded)
+# pallas_call wrappers (unpadded arrays; blocks are block multiples / powers of two)
 # ----------------------------------------------------------------------------
 
 def _visible_pairs(st: _GpuCall, batch: int) -> int:
@@ -450,56 +679,64 @@ def _visible_pairs(st: _GpuCall, batch: int) -> int:
   return batch * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec)
 
 
-def _mask_inputs(st: _GpuCall, bmap: masks.BlockMap, offsets, q_seg, kv_seg, *, by_q: bool,
-                 block_q: int, block_kv: int, heads: int):
+def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, *, by_q: bool, block_q: int, block_kv: int,
+                 heads: int):
   """Inputs and BlockSpecs shared by the three kernels: offsets, block lists, segment ids.
 
-  by_q: programs own a q block and walk its kv blocks (forward, dQ); else they own
-  a kv block and walk its q blocks (dK/dV). Each list comes with the `full` flag
-  of every listed block, in list order. The lists and offsets are small and read
-  as scalars (Triton has no scalar prefetch), so they are passed whole.
+  Without segment ids (or global tokens) only the offsets: the kernels compute their ranges.
+  Otherwise the block map's lists, for tiles (block_q, block_kv): by_q: programs own a q block
+  and walk its kv blocks (forward, dQ); else they own a kv block and walk its q blocks (dK/dV).
+  Each list comes with the `full` flag of every listed block, in list order. The lists and
+  offsets are small and read as scalars (Triton has no scalar prefetch), so they are passed whole.
   """
-  if by_q:
-    index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
-  else:
-    index, count, full = bmap.q_index, bmap.q_count, jnp.swapaxes(bmap.full, 1, 2)
-  full = jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)
   whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731
-  arrays = [offsets, index, count, full]
+  arrays = [offsets]
+  if not st.arithmetic:
+    r = st.request
+    bmap = masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
+                           offsets[0], offsets[1])
+    if by_q:
+      index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
+    else:
+      index, count, full = bmap.q_index, bmap.q_count, jnp.swapaxes(bmap.full, 1, 2)
+    arrays += [index, count, jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)]
   specs = [whole(x) for x in arrays]
   if st.has_segments:
     arrays += [q_seg, kv_seg]
+    q_ext, kv_ext = round_up(st.request.q_len, block_q), round_up(st.request.kv_len, block_kv)
     if by_q:  # program (q block, b * heads): its q ids, the whole kv row
       specs += [pl.BlockSpec((None, block_q), lambda i, j: (j // heads, i)),
-                pl.BlockSpec((None, st.kv_pad), lambda i, j: (j // heads, 0))]
+                pl.BlockSpec((None, kv_ext), lambda i, j: (j // heads, 0))]
     else:  # program (kv block, b * kv heads): the whole q row, its kv ids
-      specs += [pl.BlockSpec((None, st.q_pad), lambda i, j: (j // heads, 0)),
+      specs += [pl.BlockSpec((None, q_ext), lambda i, j: (j // heads, 0)),
                 pl.BlockSpec((None, block_kv), lambda i, j: (j // heads, i))]
   return arrays, specs
 
 
-def _forward_call(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets):
+def _forward_call(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets):
+  r = st.request
   batch = q.shape[0]
-  h, g = st.request.num_heads, st.group
+  h, g = r.num_heads, st.group
   cfg = st.cfg
-  num_q_blocks = -(-st.request.q_len // cfg.block_q)
-  arrays, specs = _mask_inputs(st, bmap, offsets, q_seg, kv_seg, by_q=True,
-                               block_q=cfg.block_q, block_kv=cfg.block_kv, heads=h)
+  num_q_blocks = -(-r.q_len // cfg.block_q)
+  kv_ext = round_up(r.kv_len, cfg.block_kv)  # the whole-row K/V block: a block multiple
+  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, by_q=True, block_q=cfg.block_q,
+                               block_kv=cfg.block_kv, heads=h)
   specs += [
       pl.BlockSpec((None, cfg.block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
-      pl.BlockSpec((None, st.kv_pad, None, st.d_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
-      pl.BlockSpec((None, st.kv_pad, None, st.dv_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, kv_ext, None, st.d_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, kv_ext, None, st.dv_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
   ]
   out_specs = [
       pl.BlockSpec((None, cfg.block_q, None, st.dv_pad), lambda i, j: (j // h, i, j % h, 0)),
       pl.BlockSpec((None, None, cfg.block_q), lambda i, j: (j // h, j % h, i)),
   ]
-  out_shape = [jax.ShapeDtypeStruct((batch, st.q_pad, h, st.dv_pad), q.dtype),
-               jax.ShapeDtypeStruct((batch, h, st.q_pad), jnp.float32)]
+  out_shape = [jax.ShapeDtypeStruct((batch, r.q_len, h, r.head_dim_v), q.dtype),
+               jax.ShapeDtypeStruct((batch, h, r.q_len), jnp.float32)]
   pairs = _visible_pairs(st, batch)
   cost = pl.CostEstimate(
-      flops=2 * pairs * (st.request.head_dim + st.request.head_dim_v),  # QK^T, PV
-      transcendentals=int(pairs * (2 if st.request.softcap else 1)),
+      flops=2 * pairs * (r.head_dim + r.head_dim_v),  # QK^T, PV
+      transcendentals=int(pairs * (2 if r.softcap else 1)),
       bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in (q, k, v)) * 2))
   return pl.pallas_call(
       functools.partial(_forward_kernel, st), grid=(num_q_blocks, batch * h),
@@ -509,28 +746,29 @@ def _forward_call(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, of
   )(*arrays, q, k, v)
 
 
-def _backward_calls(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, offsets, do, lse2,
-                    delta):
+def _backward_calls(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, do, lse2, delta):
+  r = st.request
   batch = q.shape[0]
-  h, kvh, g = st.request.num_heads, st.request.num_kv_heads, st.group
+  h, kvh, g = r.num_heads, r.num_kv_heads, st.group
   cfg = st.cfg
   block_q, block_kv = cfg.block_q_bwd, cfg.block_kv_bwd
-  num_q_blocks = -(-st.request.q_len // block_q)
-  num_kv_blocks = -(-st.request.kv_len // block_kv)
+  num_q_blocks = -(-r.q_len // block_q)
+  num_kv_blocks = -(-r.kv_len // block_kv)
+  q_ext, kv_ext = round_up(r.q_len, block_q), round_up(r.kv_len, block_kv)
   params = plgpu.CompilerParams(num_warps=cfg.num_warps_bwd, num_stages=cfg.num_stages_bwd)
   pairs = _visible_pairs(st, batch)
   io_bytes = int(sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2)
 
   # dK/dV: program (kv block, b * kv head); Q, dO, lse, D of the group's heads stay whole.
-  arrays, specs = _mask_inputs(st, bmap, offsets, q_seg, kv_seg, by_q=False,
-                               block_q=block_q, block_kv=block_kv, heads=kvh)
+  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, by_q=False, block_q=block_q,
+                               block_kv=block_kv, heads=kvh)
   specs += [
-      pl.BlockSpec((None, st.q_pad, g, st.d_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
+      pl.BlockSpec((None, q_ext, g, st.d_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
       pl.BlockSpec((None, block_kv, None, st.d_pad), lambda i, j: (j // kvh, i, j % kvh, 0)),
       pl.BlockSpec((None, block_kv, None, st.dv_pad), lambda i, j: (j // kvh, i, j % kvh, 0)),
-      pl.BlockSpec((None, st.q_pad, g, st.dv_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
-      pl.BlockSpec((None, g, st.q_pad), lambda i, j: (j // kvh, j % kvh, 0)),
-      pl.BlockSpec((None, g, st.q_pad), lambda i, j: (j // kvh, j % kvh, 0)),
+      pl.BlockSpec((None, q_ext, g, st.dv_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
+      pl.BlockSpec((None, g, q_ext), lambda i, j: (j // kvh, j % kvh, 0)),
+      pl.BlockSpec((None, g, q_ext), lambda i, j: (j // kvh, j % kvh, 0)),
   ]
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, st), grid=(num_kv_blocks, batch * kvh),
@@ -542,17 +780,17 @@ def _backward_calls(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, 
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dkv",
       cost_estimate=pl.CostEstimate(
-          flops=4 * pairs * (st.request.head_dim + st.request.head_dim_v),  # QK^T, P^T dO, dO V^T, dS^T Q
+          flops=4 * pairs * (r.head_dim + r.head_dim_v),  # QK^T, P^T dO, dO V^T, dS^T Q
           transcendentals=int(pairs), bytes_accessed=io_bytes),
   )(*arrays, q, k, v, do, lse2, delta)
 
   # dQ: program (q block, b * head), looping over visible kv blocks like the forward.
-  arrays, specs = _mask_inputs(st, bmap, offsets, q_seg, kv_seg, by_q=True,
-                               block_q=block_q, block_kv=block_kv, heads=h)
+  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, by_q=True, block_q=block_q,
+                               block_kv=block_kv, heads=h)
   specs += [
       pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
-      pl.BlockSpec((None, st.kv_pad, None, st.d_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
-      pl.BlockSpec((None, st.kv_pad, None, st.dv_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, kv_ext, None, st.d_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
+      pl.BlockSpec((None, kv_ext, None, st.dv_pad), lambda i, j: (j // h, 0, (j % h) // g, 0)),
       pl.BlockSpec((None, block_q, None, st.dv_pad), lambda i, j: (j // h, i, j % h, 0)),
       pl.BlockSpec((None, None, block_q), lambda i, j: (j // h, j % h, i)),
       pl.BlockSpec((None, None, block_q), lambda i, j: (j // h, j % h, i)),
@@ -564,41 +802,23 @@ def _backward_calls(st: _GpuCall, bmap: masks.BlockMap, q, k, v, q_seg, kv_seg, 
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dq",
       cost_estimate=pl.CostEstimate(
-          flops=2 * pairs * (2 * st.request.head_dim + st.request.head_dim_v),  # QK^T, dO V^T, dS K
+          flops=2 * pairs * (2 * r.head_dim + r.head_dim_v),  # QK^T, dO V^T, dS K
           transcendentals=int(pairs), bytes_accessed=io_bytes),
   )(*arrays, q, k, v, do, lse2, delta)
   return dq, dk, dv
 
 
 # ----------------------------------------------------------------------------
-# Padding and the custom VJP
+# The custom VJP
 # ----------------------------------------------------------------------------
-
-def _pad_inputs(st: _GpuCall, q, k, v, q_seg, kv_seg):
-  q = pad_to(pad_to(q, 1, st.q_pad), 3, st.d_pad)
-  k = pad_to(pad_to(k, 1, st.kv_pad), 3, st.d_pad)
-  v = pad_to(pad_to(v, 1, st.kv_pad), 3, st.dv_pad)
-  if st.has_segments:  # padded keys are masked by position; the ids there do not matter
-    q_seg, kv_seg = pad_to(q_seg, 1, st.q_pad), pad_to(kv_seg, 1, st.kv_pad)
-  return q, k, v, q_seg, kv_seg
-
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets):
   return _flash_forward(st, q, k, v, q_seg, kv_seg, offsets)[0]
 
 
-def _block_map(st: _GpuCall, block_q: int, block_kv: int, q_seg, kv_seg, offsets) -> masks.BlockMap:
-  """The shared block map for these tiles (on the unpadded segment ids)."""
-  r = st.request
-  return masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg, offsets[0], offsets[1])
-
-
 def _flash_forward(st, q, k, v, q_seg, kv_seg, offsets):
-  bmap = _block_map(st, st.cfg.block_q, st.cfg.block_kv, q_seg, kv_seg, offsets)
-  out, lse = _forward_call(st, bmap, *_pad_inputs(st, q, k, v, q_seg, kv_seg), offsets)
-  r = st.request
-  out, lse = out[:, :r.q_len, :, :r.head_dim_v], lse[:, :, :r.q_len]
+  out, lse = _forward_call(st, q, k, v, q_seg, kv_seg, offsets)
   return (out, lse), (q, k, v, q_seg, kv_seg, offsets, out, lse)
 
 
@@ -615,18 +835,9 @@ def _flash_backward(st, residuals, cotangents):
 
 def _backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out):
   """dq, dk, dv from the rows' lse and delta [b, h, q] (unpadded [b, len, h, d] arrays)."""
-  # Base-2 lse for the kernels; +inf for rows that see no key (and padded rows), so P = 0 there.
+  # Base-2 lse for the kernels; +inf for rows that see no key, so P = 0 there.
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
-  qp, kp, vp, q_seg_p, kv_seg_p = _pad_inputs(st, q, k, v, q_seg, kv_seg)
-  do = pad_to(pad_to(d_out.astype(q.dtype), 1, st.q_pad), 3, st.dv_pad)
-  lse2 = pad_to(lse2, 2, st.q_pad, jnp.inf)
-  delta = pad_to(delta, 2, st.q_pad)
-  bmap = _block_map(st, st.cfg.block_q_bwd, st.cfg.block_kv_bwd, q_seg, kv_seg, offsets)
-  dq, dk, dv = _backward_calls(st, bmap, qp, kp, vp, q_seg_p, kv_seg_p, offsets, do, lse2, delta)
-  r = st.request
-  dq = dq[:, :r.q_len, :, :r.head_dim]
-  dk, dv = dk[:, :r.kv_len, :, :r.head_dim], dv[:, :r.kv_len, :, :r.head_dim_v]
-  return dq, dk, dv
+  return _backward_calls(st, q, k, v, q_seg, kv_seg, offsets, d_out.astype(q.dtype), lse2, delta)
 
 
 _flash.defvjp(_flash_forward, _flash_backward)
