@@ -85,8 +85,9 @@ def check_block_map(p):
   # Exact where the map promises it: causal and windows alone (any offsets), and consecutive
   # packed documents (with causal only when queries and keys share positions).
   positions_only = p["kind"] == "none"
-  packed_exact = p["kind"] == "consecutive" and p["window"] is None and (
-      not p["causal"] or p["q_offset"] == p["kv_offset"])
+  # Padding (id 0) after the documents is kept apart from their ids, so it stays exact with it.
+  same_row = p["kind"] == "consecutive" or (p["kind"] == "padded" and p["kv_len"] == p["q_len"])
+  packed_exact = same_row and p["window"] is None and (not p["causal"] or p["q_offset"] == p["kv_offset"])
   if (positions_only or packed_exact) and not g:
     np.testing.assert_array_equal(visible, true_visible)
   # A block is "full" only without padded tails, and then exactly when every pair is visible
@@ -109,7 +110,7 @@ def check_index_lists(visible, index, count):
       assert np.all(index[row][len(cols):] == cols[-1])
 
 
-@hypothesis.settings(max_examples=25, deadline=None)
+@hypothesis.settings(max_examples=15, deadline=None)
 @hypothesis.given(problems())
 def test_block_map_matches_brute_force(p):
   check_block_map(p)
