@@ -89,6 +89,23 @@ def test_bfloat16_gqa_head_dim_v():
     np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=0.05 * float(jnp.abs(r).max()))
 
 
+def test_gqa_group_shares_the_forward_tile():
+  """head_dim 128 (token-major): one forward program per (batch row, kv head, q block) runs both
+  query heads of a group against one K/V tile; several blocks, traced offsets, ALiBi per head."""
+  q, k, v = _inputs(t=300, h=4, kvh=2, d=128)
+  kwargs = dict(causal=True, alibi_slopes=fl.alibi_slopes(4),
+                block_sizes=fl.BlockSizes(128, 128, 128, 128))
+  with fl.interpret_as("tpu"):
+    out, lse, grads = _run("flash_pallas", q, k, v, q_offset=40, kv_offset=25, **kwargs)
+    explained = fl.explain(q, k, v, impl="flash_pallas", **kwargs)
+  # 3 q blocks: rows (0, 2) and (1) of 1 + 3 and 2 steps -> 2 rows x 4 steps per kv head, where
+  # one program per query head would take twice as many.
+  assert explained.grid_steps == 2 * 2 * 4
+  ref_out, ref_lse, ref_grads = _run("reference", q, k, v, q_offset=40, kv_offset=25, **kwargs)
+  _assert_close([out, lse], [ref_out, ref_lse], 2e-5)
+  _assert_close(grads, ref_grads, 5e-5)
+
+
 def test_invisible_blocks_are_skipped_not_masked():
   """NaN keys/values in kv blocks no query may see: a kernel that computed them, even masked,
   would carry NaN into p @ v (0 * NaN) and dS; skipped blocks leave every result finite."""
