@@ -42,8 +42,8 @@ def test_training_memory_plateaus(tmp_path):
   out = tmp_path / "memory.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), XLA_FLAGS="")
   result = subprocess.run(
-    [sys.executable, "-m", "benchmarks.memory", "--steps", "200", "--sample-every", "2", "--max-growth", "0.10",
-     "--json", str(out)],
+    [sys.executable, "-m", "benchmarks.memory", "--steps", "200", "--sample-every", "2",
+     "--max-growth", "0.10", "--json", str(out)],
     cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-4000:]
   report = json.loads(out.read_text())
