@@ -10,8 +10,9 @@ v4, v5e, v5p and v6e with head_dim 17, 32, 64, 80, 128, 200 and 256.)
 
 Grid: only the tiles that matter. Each q block sees a contiguous *range* of kv blocks under
 causal masks, windows and packed documents; the forward kernel's grid is ``(batch, heads, rows,
-steps)`` where row r holds q block r and then q block n - 1 - r, so a causal triangle folds into
-a rectangle of exactly the visible tiles (n/2 rows of n + 1 steps). ``steps`` is the widest row:
+steps)`` (heads: per q tile, see Inner loops) where row r holds q block r and then q block
+n - 1 - r, so a causal triangle folds into a rectangle of exactly the visible tiles (n/2 rows
+of n + 1 steps). ``steps`` is the widest row:
 a Python int when the mask is static, a dynamic grid bound computed from the segment ids
 otherwise (16 packed documents of 2,048 tokens at 32k: 256 steps for 256 visible tiles, where a
 full grid would run 4,096). The first three axes are "parallel" (Mosaic may split them across
@@ -29,6 +30,17 @@ Layout: with head_dim (and head_dim_v) a multiple of 128, q, k, v, the output, d
 gradients stay token-major ``[b, len, heads * dim]`` (the caller's layout reshaped) and a tile is
 the ``(block, dim)`` window at column ``head * dim``; otherwise head-major copies
 ``[b, heads, len, dim]`` are made, a layout Mosaic can tile for any dim.
+
+Inner loops: the q tile is multiplied once per q block, when its first step copies it to a VMEM
+scratch, by scale * log2 e (with a softcap by scale / softcap, the tanh's natural units; the cap
+then multiplies by softcap * log2 e), so the logits leave the dot in base 2 and no [bq, bkv]
+tile is scaled; ALiBi's slope takes the same unit. The online softmax and the backward's P use
+exp2; lse stays natural at the interface (the backward converts it once per row). bfloat16 q is
+rounded to bfloat16 again after scaling, as in JAX's splash kernels. With token-major operands and
+GQA, one forward program serves up to 8 query heads of a group: its q tile is the (block_q,
+heads * head_dim) window of their columns, each K/V tile is fetched once for all of them (v5e,
+[1, 8192, 8, 128] bf16 q on 2 kv heads: the forward's estimated HBM reads 544 -> 160 MiB), a static
+loop runs the heads, and block_q halves if the group's tiles would not fit VMEM.
 
 Backward (custom VJP, from the saved logsumexp L):
   P = exp(S - L),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = dS K,  dK = dS^T Q
