@@ -39,8 +39,8 @@ exp2; lse stays natural at the interface (the backward converts it once per row)
 rounded to bfloat16 again after scaling, as in JAX's splash kernels. With token-major operands and
 GQA, one forward program serves up to 8 query heads of a group: its q tile is the (block_q,
 heads * head_dim) window of their columns, each K/V tile is fetched once for all of them (v5e,
-[1, 8192, 8, 128] bf16 q on 2 kv heads: the forward's estimated HBM reads 544 -> 160 MiB), a static
-loop runs the heads, and block_q halves if the group's tiles would not fit VMEM.
+[1, 8192, 8, 128] bf16 q on 2 kv heads: the forward's estimated HBM reads 544 -> 160 MiB), a loop
+runs the heads, and block_q halves if the group's tiles would not fit VMEM.
 
 Backward (custom VJP, from the saved logsumexp L):
   P = exp(S - L),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = dS K,  dK = dS^T Q
@@ -229,10 +229,10 @@ def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
 
 
 # The forward's q tile covers up to this many query heads of a GQA group: each K/V tile is then
-# fetched once per MAX_TILE_HEADS heads instead of once per head. The heads run one after another
-# in a static loop (two bodies each: with and without the element mask), so the cap bounds the
-# kernel's code size; at 8 heads per K/V tile the K/V stream is already a small share of the
-# forward's HBM traffic.
+# fetched once per MAX_TILE_HEADS heads instead of once per head. The heads run in a loop (code
+# size does not grow with them), but the q-side tiles and scratch do, and the "parallel" grid
+# shrinks by the same factor; at 8 heads per K/V tile the K/V stream is already a small share of
+# the forward's HBM traffic.
 MAX_TILE_HEADS = 8
 
 
@@ -245,7 +245,7 @@ def _forward_tiles(request: Request, fwd: tuple[int, int], token_major: bool
   serves them all. Only head-major layouts (head_dim not a multiple of 128) keep one head per
   tile. The per-generation tiles were sized for one head; the q-side tiles and scratch (q, out,
   the scaled q, the statistics and the accumulator) grow with the heads, the [block_q, block_kv]
-  logits temporaries do not (the heads run one after another). When the estimate exceeds the
+  logits temporaries do not (the heads run one after another, in a loop). When the estimate exceeds the
   budget `_vmem_limit` may grant (3/4 of VMEM), block_q halves (down to 128 rows: a shorter q tile
   costs FLOPs per K/V byte, which the shared K/V stream more than returns); if even 128 rows do
   not fit, fewer heads share a tile (a divisor of the group), down to one.
@@ -807,7 +807,7 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
   # m_scr[j] [bq, 128]: running row max of the base-2 logits seen so far (lane-replicated).
   # l_scr[j] [bq, 128]: running sum of exp2(logit - m) over those logits (lane-replicated).
   # acc_scr[j] [bq, dv]: running sum of exp2(logit - m) * v, rescaled whenever m grows.
-  # q_scr [bq, heads * d]: the q tile times `_fold` (scale and log2 e), made once per q block:
+  # q_scr[j] [bq, d]: head j's q tile times `_fold` (scale and log2 e), made once per q block:
   #   the q block is constant along the steps, so one multiply of bq * d elements replaces one of
   #   bq * bk logits per step, and the steps read it from VMEM as they would read q_ref.
   # q_seg_scr [bq, 128]: this q block's segment ids as a column (made once per q block).
@@ -819,7 +819,8 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
-    q_scr[...] = _folded(cfg, q_ref[...])
+    for j in range(heads):  # lane-aligned column windows (d % 128 == 0 when heads > 1)
+      q_scr[j] = _folded(cfg, q_ref[:, j * d:(j + 1) * d])
     if cfg.has_segments:
       q_seg_scr[...] = _column(q_seg_ref[...])
 
@@ -830,9 +831,13 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
       visible = _tile_visible(cfg, tile, *seg)
     k, v = k_ref[...], v_ref[...]
-    for j in range(heads):  # static: lane-aligned column windows (d % 128 == 0 when heads > 1)
+
+    # The heads run in a loop, not unrolled: the body is compiled once whatever the group (an
+    # unrolled body grew Mosaic's compile by ~4 s per head), and its refs are indexed only along
+    # their leading, untiled axis.
+    def head_update(j, carry):
       head = step.head + j
-      s, _ = _logits(cfg, q_scr[:, j * d:(j + 1) * d], k, _alibi(cfg, offsets_ref, head, tile))
+      s, _ = _logits(cfg, q_scr[j], k, _alibi(cfg, offsets_ref, head, tile))
       if masked:
         s = jnp.where(visible, s, -jnp.inf)
       # Online softmax: with the new row max m', rescale what was summed under the old max m by
@@ -849,6 +854,12 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
         p = p * keep
       acc_scr[j] = acc_scr[j] * rescale[:, :1] + _dot(cfg, p.astype(v.dtype), v, _NN)
       m_scr[j] = m_next
+      return carry
+
+    if heads == 1:
+      head_update(0, None)
+    else:
+      jax.lax.fori_loop(0, heads, head_update, None)
 
   _when_visited(step, update)
 
@@ -890,7 +901,7 @@ def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   scratch = [pltpu.VMEM((heads, block_q, LANES), jnp.float32),
              pltpu.VMEM((heads, block_q, LANES), jnp.float32),
              pltpu.VMEM((heads, block_q, dv), jnp.float32),
-             pltpu.VMEM((block_q, heads * d), q.dtype)]
+             pltpu.VMEM((heads, block_q, d), q.dtype)]
   if cfg.has_segments:
     inputs += [_segment_rows(q_seg, q_pad), _segment_rows(kv_seg, kv_pad)]
     in_specs += grid.segment_rows()
