@@ -245,10 +245,10 @@ def _forward_tiles(request: Request, fwd: tuple[int, int], token_major: bool
   serves them all. Only head-major layouts (head_dim not a multiple of 128) keep one head per
   tile. The per-generation tiles were sized for one head; the q-side tiles and scratch (q, out,
   the scaled q, the statistics and the accumulator) grow with the heads, the [block_q, block_kv]
-  logits temporaries do not (the heads run one after another, in a loop). When the estimate exceeds the
-  budget `_vmem_limit` may grant (3/4 of VMEM), block_q halves (down to 128 rows: a shorter q tile
-  costs FLOPs per K/V byte, which the shared K/V stream more than returns); if even 128 rows do
-  not fit, fewer heads share a tile (a divisor of the group), down to one.
+  logits temporaries do not (the heads run one after another, in a loop). When the estimate
+  exceeds the budget `_vmem_limit` may grant (3/4 of VMEM), block_q halves (down to 128 rows: a
+  shorter q tile costs FLOPs per K/V byte, which the shared K/V stream more than returns); if
+  even 128 rows do not fit, fewer heads share a tile (a divisor of the group), down to one.
   """
   group = request.num_heads // request.num_kv_heads
   if not token_major or group == 1:
@@ -830,14 +830,14 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
     if masked:  # one element mask for every head of the tile
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
       visible = _tile_visible(cfg, tile, *seg)
-    k, v = k_ref[...], v_ref[...]
 
     # The heads run in a loop, not unrolled: the body is compiled once whatever the group (an
     # unrolled body grew Mosaic's compile by ~4 s per head), and its refs are indexed only along
-    # their leading, untiled axis.
+    # their leading, untiled axis. K and V are read from their VMEM tiles inside the body, as the
+    # matmuls would read them anyway, rather than held live across the loop.
     def head_update(j, carry):
       head = step.head + j
-      s, _ = _logits(cfg, q_scr[j], k, _alibi(cfg, offsets_ref, head, tile))
+      s, _ = _logits(cfg, q_scr[j], k_ref[...], _alibi(cfg, offsets_ref, head, tile))
       if masked:
         s = jnp.where(visible, s, -jnp.inf)
       # Online softmax: with the new row max m', rescale what was summed under the old max m by
@@ -852,6 +852,7 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
       keep = _dropout(cfg, offsets_ref, step.batch, head, tile)
       if keep is not None:
         p = p * keep
+      v = v_ref[...]
       acc_scr[j] = acc_scr[j] * rescale[:, :1] + _dot(cfg, p.astype(v.dtype), v, _NN)
       m_scr[j] = m_next
       return carry
