@@ -165,6 +165,8 @@ CONFIGS = [
     # Head dims, and head_dim_v != head_dim.
     Config("d80", q_len=50, head_dim=80),
     Config("d128_causal", q_len=64, head_dim=128, causal=True),
+    # Token-major GQA: flash_pallas on TPU runs the group's query heads in one forward q tile.
+    Config("d128_causal_gqa", q_len=200, heads=4, kv_heads=2, head_dim=128, causal=True),
     Config("d256", q_len=40, heads=1, head_dim=256),
     Config("dv32_d64", q_len=48, head_dim=64, head_dim_v=32),
     Config("dv128_d32_causal_gqa", q_len=48, heads=4, kv_heads=2, head_dim_v=128, causal=True),

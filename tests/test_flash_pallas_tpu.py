@@ -89,6 +89,43 @@ def test_bfloat16_gqa_head_dim_v():
     np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=0.05 * float(jnp.abs(r).max()))
 
 
+def test_gqa_group_shares_the_forward_tile():
+  """head_dim 128 (token-major): one forward program per (batch row, kv head, q block) runs both
+  query heads of a group against one K/V tile; several blocks, traced offsets, ALiBi per head."""
+  q, k, v = _inputs(t=300, h=4, kvh=2, d=128)
+  kwargs = dict(causal=True, alibi_slopes=fl.alibi_slopes(4),
+                block_sizes=fl.BlockSizes(128, 128, 128, 128))
+  with fl.interpret_as("tpu"):
+    out, lse, grads = _run("flash_pallas", q, k, v, q_offset=40, kv_offset=25, **kwargs)
+    explained = fl.explain(q, k, v, impl="flash_pallas", **kwargs)
+  # 3 q blocks: rows (0, 2) and (1) of 1 + 3 and 2 steps -> 2 rows x 4 steps per kv head, where
+  # one program per query head would take twice as many.
+  assert explained.grid_steps == 2 * 2 * 4
+  ref_out, ref_lse, ref_grads = _run("reference", q, k, v, q_offset=40, kv_offset=25, **kwargs)
+  _assert_close([out, lse], [ref_out, ref_lse], 2e-5)
+  _assert_close(grads, ref_grads, 5e-5)
+
+
+@pytest.mark.parametrize(("generation", "heads", "kv_heads", "expected"), [
+    ("v5e", 8, 2, ((512, 1024), 4)),  # the generation's tiles, the whole group
+    ("v5e", 16, 1, ((512, 1024), 8)),  # at most MAX_TILE_HEADS
+    ("v4", 8, 1, ((128, 512), 8)),  # 16 MiB of VMEM: block_q halves until 8 heads fit
+])
+def test_forward_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, kv_heads, expected):
+  monkeypatch.setattr(tpu, "tpu_generation", lambda: generation)
+  q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
+  request, _ = dispatch.prepare(q, kv, kv)
+  blocks = tpu.default_block_sizes(generation)
+  tiles = tpu._forward_tiles(request, (blocks.block_q, blocks.block_kv), token_major=True)
+  assert tiles == expected
+  (block_q, block_kv), group = tiles
+  budget = 3 * tpu.VMEM_CAPACITY[generation] // 4
+  assert tpu._vmem_need(128, 128, block_q, block_kv, 2, group) <= budget
+  if block_q < blocks.block_q:  # shrunk: twice the rows would not have fitted
+    assert tpu._vmem_need(128, 128, 2 * block_q, block_kv, 2, group) > budget
+
+
 def test_invisible_blocks_are_skipped_not_masked():
   """NaN keys/values in kv blocks no query may see: a kernel that computed them, even masked,
   would carry NaN into p @ v (0 * NaN) and dS; skipped blocks leave every result finite."""

@@ -146,6 +146,34 @@ def test_float32_head_dim_256_fits_the_generations_vmem(generation):
   assert _mosaic_kernels(compiled.as_text()) == sorted(KERNELS)
 
 
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_gqa_forward_streams_kv_once_per_group(generation):
+  """8 query heads on 2 kv heads at head_dim 128 (token-major), forward + backward: the forward's
+  q tile holds a group's 4 heads, so its CostEstimate (in the lowered module) counts each K/V
+  tile once per q block and kv head: q, out, lse once, plus K and V x q blocks. With one program
+  per query head it would count K and V 4x as often."""
+  from flash_layers.impls.flash_pallas import tpu  # noqa: PLC0415
+
+  device = _device(generation)
+  placed = jax.sharding.SingleDeviceSharding(device)
+  t, d = 2048, 128
+  q = jax.ShapeDtypeStruct((1, t, 8, d), jnp.bfloat16, sharding=placed)
+  kv = jax.ShapeDtypeStruct((1, t, 2, d), jnp.bfloat16, sharding=placed)
+
+  def loss(q, k, v):
+    return fl.attention(q, k, v, impl="flash_pallas", causal=True).astype(jnp.float32).sum()
+
+  with jax.sharding.set_mesh(jax.sharding.Mesh([device], ("x",))):
+    lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv)
+    compiled = lowered.compile()
+  assert _mosaic_kernels(compiled.as_text()) == sorted(KERNELS)
+  estimates = {name: int(nbytes) for nbytes, name in re.findall(
+      r'bytes_accessed\\22:(\d+)[^\n]*?kernel_name = "(\w+)"', lowered.as_text())}
+  q_bytes, kv_bytes = t * 8 * d * 2, 2 * t * 2 * d * 2  # q (= out); K and V together
+  num_q = t // tpu.DEFAULT_BLOCK_SIZES[generation].block_q
+  assert estimates["flash_layers_fwd"] == 2 * q_bytes + 8 * t * 4 + kv_bytes * num_q
+
+
 def test_cpu_lowering_interprets_instead():
   """The same call lowered for this CPU host runs the TPU kernels interpreted: no Mosaic."""
   q = jax.ShapeDtypeStruct((1, 256, 2, 64), jnp.bfloat16)

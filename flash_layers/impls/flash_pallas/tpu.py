@@ -10,8 +10,9 @@ v4, v5e, v5p and v6e with head_dim 17, 32, 64, 80, 128, 200 and 256.)
 
 Grid: only the tiles that matter. Each q block sees a contiguous *range* of kv blocks under
 causal masks, windows and packed documents; the forward kernel's grid is ``(batch, heads, rows,
-steps)`` where row r holds q block r and then q block n - 1 - r, so a causal triangle folds into
-a rectangle of exactly the visible tiles (n/2 rows of n + 1 steps). ``steps`` is the widest row:
+steps)`` (heads: per q tile, see Inner loops) where row r holds q block r and then q block
+n - 1 - r, so a causal triangle folds into a rectangle of exactly the visible tiles (n/2 rows
+of n + 1 steps). ``steps`` is the widest row:
 a Python int when the mask is static, a dynamic grid bound computed from the segment ids
 otherwise (16 packed documents of 2,048 tokens at 32k: 256 steps for 256 visible tiles, where a
 full grid would run 4,096). The first three axes are "parallel" (Mosaic may split them across
@@ -29,6 +30,17 @@ Layout: with head_dim (and head_dim_v) a multiple of 128, q, k, v, the output, d
 gradients stay token-major ``[b, len, heads * dim]`` (the caller's layout reshaped) and a tile is
 the ``(block, dim)`` window at column ``head * dim``; otherwise head-major copies
 ``[b, heads, len, dim]`` are made, a layout Mosaic can tile for any dim.
+
+Inner loops: the q tile is multiplied once per q block, when its first step copies it to a VMEM
+scratch, by scale * log2 e (with a softcap by scale / softcap, the tanh's natural units; the cap
+then multiplies by softcap * log2 e), so the logits leave the dot in base 2 and no [bq, bkv]
+tile is scaled; ALiBi's slope takes the same unit. The online softmax and the backward's P use
+exp2; lse stays natural at the interface (the backward converts it once per row). bfloat16 q is
+rounded to bfloat16 again after scaling, as in JAX's splash kernels. With token-major operands and
+GQA, one forward program serves up to 8 query heads of a group: its q tile is the (block_q,
+heads * head_dim) window of their columns, each K/V tile is fetched once for all of them (v5e,
+[1, 8192, 8, 128] bf16 q on 2 kv heads: the forward's estimated HBM reads 544 -> 160 MiB), a loop
+runs the heads, and block_q halves if the group's tiles would not fit VMEM.
 
 Backward (custom VJP, from the saved logsumexp L):
   P = exp(S - L),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = dS K,  dK = dS^T Q
@@ -194,6 +206,8 @@ class _TpuCall:
   # head * dim; legal for Mosaic when dim is a multiple of 128 lanes. Otherwise head-major
   # copies [b, heads, len, dim] are made (a transpose each way).
   token_major: bool = False
+  # Query heads per forward q tile: a GQA group's heads (token-major only) share one K/V stream.
+  fwd_heads: int = 1
 
   @property
   def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
@@ -205,11 +219,55 @@ def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
   offsets_static = None  # python ints are known while tracing; traced offsets only at run time
   if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
     offsets_static = (int(args.q_offset), int(args.kv_offset))
+  token_major = request.head_dim % LANES == 0 and request.head_dim_v % LANES == 0
+  fwd, fwd_heads = _forward_tiles(request, fwd, token_major)
   return _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
                   request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
                   offsets_static, interpret, request.num_heads, request.has_alibi,
-                  request.dropout_rate, request.precision, request.num_kv_heads,
-                  request.head_dim % LANES == 0 and request.head_dim_v % LANES == 0)
+                  request.dropout_rate, request.precision, request.num_kv_heads, token_major,
+                  fwd_heads)
+
+
+# The forward's q tile covers up to this many query heads of a GQA group: each K/V tile is then
+# fetched once per MAX_TILE_HEADS heads instead of once per head. The heads run in a loop (code
+# size does not grow with them), but the q-side tiles and scratch do, and the "parallel" grid
+# shrinks by the same factor; at 8 heads per K/V tile the K/V stream is already a small share of
+# the forward's HBM traffic.
+MAX_TILE_HEADS = 8
+
+
+def _forward_tiles(request: Request, fwd: tuple[int, int], token_major: bool
+                   ) -> tuple[tuple[int, int], int]:
+  """(forward blocks, query heads per forward q tile).
+
+  With token-major operands the q tile of a GQA group is the (block_q, heads * head_dim) window
+  of its heads' columns (contiguous: query head i uses kv head i // group), so one program
+  serves them all. Only head-major layouts (head_dim not a multiple of 128) keep one head per
+  tile. The per-generation tiles were sized for one head; the q-side tiles and scratch (q, out,
+  the scaled q, the statistics and the accumulator) grow with the heads, the [block_q, block_kv]
+  logits temporaries do not (the heads run one after another, in a loop). When the estimate
+  exceeds the budget `_vmem_limit` may grant (3/4 of VMEM), block_q halves (down to 128 rows: a
+  shorter q tile costs FLOPs per K/V byte, which the shared K/V stream more than returns); if
+  even 128 rows do not fit, fewer heads share a tile (a divisor of the group), down to one.
+  """
+  group = request.num_heads // request.num_kv_heads
+  if not token_major or group == 1:
+    return fwd, 1
+  candidates = [h for h in range(min(group, MAX_TILE_HEADS), 1, -1) if group % h == 0]
+  generation = tpu_generation()
+  if generation not in VMEM_CAPACITY:  # generic tiles, no known budget: the largest group
+    return fwd, candidates[0] if candidates else 1
+  budget = 3 * VMEM_CAPACITY[generation] // 4
+  itemsize = 2 if request.dtype == "bfloat16" else 4
+  for heads in candidates:
+    block_q = fwd[0]
+    while True:
+      if _vmem_need(request.head_dim, request.head_dim_v, block_q, fwd[1], itemsize, heads) <= budget:
+        return (block_q, fwd[1]), heads
+      if block_q <= LANES:
+        break
+      block_q = max(LANES, block_q // 2 // LANES * LANES)
+  return fwd, 1
 
 
 def grid_steps(request: Request, args: Args) -> int | None:
@@ -223,7 +281,8 @@ def grid_steps(request: Request, args: Args) -> int | None:
   row_steps, _ = _plan(cfg, cfg.fwd, args.q_segment_ids, args.kv_segment_ids, offsets,
                        kv_major=False)
   row_steps = np.asarray(row_steps)
-  return request.batch * request.num_heads * row_steps.shape[-1] * int(row_steps.max())
+  programs = request.batch * request.num_heads // cfg.fwd_heads  # one per (row, q tile's heads)
+  return programs * row_steps.shape[-1] * int(row_steps.max())
 
 
 def _to_kernel(cfg: _TpuCall, x, length):
@@ -325,19 +384,27 @@ def _compiler_params(semantics: tuple[str, ...], vmem_bytes: int | None = None):
   return params(dimension_semantics=semantics, vmem_limit_bytes=vmem_bytes)
 
 
+def _vmem_need(head_dim: int, head_dim_v: int, bq: int, bk: int, itemsize: int,
+               heads: int = 1) -> int:
+  """VMEM for a kernel with these tiles, an estimate with a 25% margin: the double-buffered
+  q/k/v/output tiles, the scratch (float32 statistics and accumulators, the scaled q or k tile),
+  and six float32 [block_q, block_kv] tiles (logits, probabilities and their gradients). The q-side
+  tiles and scratch are per query head of the tile (`heads`); the logits tiles are not."""
+  d, dv = round_up(head_dim, LANES), round_up(head_dim_v, LANES)
+  tiles = 2 * itemsize * (heads * (bq * d + 2 * bq * dv) + bk * d + bk * dv + bk * (d + dv))
+  scratch = (4 * (heads * (bq * dv + 4 * bq * LANES) + bk * (d + dv))
+             + itemsize * max(heads * bq, bk) * d)
+  return round_up(5 * (tiles + scratch + 6 * 4 * bq * bk) // 4, 1 << 20)
+
+
 def _vmem_limit(cfg: _TpuCall, grid: _Grid, itemsize: int) -> int | None:
   """The scoped VMEM a kernel with these tiles asks for (None: Mosaic's default, generation
-  unknown). An estimate with a 25% margin: the double-buffered q/k/v/output tiles, the scratch,
-  and six float32 [block_q, block_kv] tiles (logits, probabilities and their gradients)."""
+  unknown): `_vmem_need`, never below Mosaic's default, at most 3/4 of the capacity."""
   generation = tpu_generation()
   if generation not in VMEM_CAPACITY:
     return None
-  bq, bk = grid.block_q, grid.block_kv
-  d, dv = round_up(cfg.head_dim, LANES), round_up(cfg.head_dim_v, LANES)
-  tiles = 2 * itemsize * (bq * d + bk * d + bk * dv + 2 * bq * dv + bk * (d + dv))
-  scratch = 4 * (bq * dv + 4 * bq * LANES + bk * (d + dv))
-  need = 5 * (tiles + scratch + 6 * 4 * bq * bk) // 4
-  need = round_up(need, 1 << 20)
+  need = _vmem_need(cfg.head_dim, cfg.head_dim_v, grid.block_q, grid.block_kv, itemsize,
+                    grid.tile_heads)
   return int(min(max(need, DEFAULT_SCOPED_VMEM[generation]), 3 * VMEM_CAPACITY[generation] // 4))
 
 
@@ -369,8 +436,10 @@ class _Where(NamedTuple):
 class _Grid:
   """One kernel's grid: only the tiles in each block's visible range, two blocks per row.
 
-  q-major (forward, dQ): (batch, heads, rows, steps). The *outer* blocks are q blocks; each has
-    a range of visible kv blocks, [lo, lo + count), from the mask (`masks.block_visibility`).
+  q-major (forward, dQ): (batch, heads / tile_heads, rows, steps). The *outer* blocks are q
+    blocks; each has a range of visible kv blocks, [lo, lo + count), from the mask
+    (`masks.block_visibility`). A q tile holds ``tile_heads`` consecutive query heads of one GQA
+    group (the forward with token-major operands; otherwise 1), which share each K/V tile.
   kv-major (dK/dV): (batch, kv heads, rows, steps, heads of the group): outer blocks are kv
     blocks, ranges of q blocks; every query head of the group is accumulated into the same
     resident dK/dV tile (K/V are never repeated for GQA).
@@ -399,6 +468,7 @@ class _Grid:
   num_kv: int
   block_q: int
   block_kv: int
+  tile_heads: int = 1
 
   @property
   def num_outer(self) -> int:
@@ -411,7 +481,7 @@ class _Grid:
   def shape(self, steps) -> tuple:
     if self.kv_major:
       return (self.batch, self.heads // self.group, self.rows, steps, self.group)
-    return (self.batch, self.heads, self.rows, steps)
+    return (self.batch, self.heads // self.tile_heads, self.rows, steps)
 
   @property
   def ndim(self) -> int:
@@ -438,8 +508,9 @@ class _Grid:
     if self.kv_major:
       q_head = outer_head * self.group + ids[4]
       return _Where(batch, q_head, outer_head, inner, outer, in_range, first, switch)
-    return _Where(batch, outer_head, jax.lax.div(outer_head, self.group), outer, inner, in_range,
-                  first, switch)
+    q_head = outer_head * self.tile_heads  # the tile's first query head
+    return _Where(batch, q_head, jax.lax.div(q_head, self.group), outer, inner, in_range, first,
+                  switch)
 
   def _spec(self, block_shape, pick):
     def index_map(*args):  # the grid indices, then the scalar-prefetch refs (offsets, plan, tiles)
@@ -447,12 +518,19 @@ class _Grid:
       return pick(w.batch, w.q_head, w.kv_head, w.q_block, w.kv_block)
     return pl.BlockSpec(block_shape, index_map)
 
+  def _tile_of(self, h):  # the q tile's index along the heads (h: its first query head)
+    return h if self.tile_heads == 1 else jax.lax.div(h, self.tile_heads)
+
   def q_tile(self, width):  # q, dO, out, dQ: [b, q_pad, h * width] or [b, h, q_pad, width]
-    if self.token_major:
-      return self._spec((None, self.block_q, width), lambda b, h, kh, qb, kb: (b, qb, h))
+    if self.token_major:  # the (block_q, tile_heads * width) window of the tile's heads
+      return self._spec((None, self.block_q, self.tile_heads * width),
+                        lambda b, h, kh, qb, kb: (b, qb, self._tile_of(h)))
     return self._spec((None, None, self.block_q, width), lambda b, h, kh, qb, kb: (b, h, qb, 0))
 
-  def q_row(self):  # lse, D: [b, h, 1, q_pad]
+  def q_row(self):  # lse, D: [b, h, 1, q_pad]; [tile_heads, 1, block_q] when a tile has several
+    if self.tile_heads > 1:
+      return self._spec((None, self.tile_heads, 1, self.block_q),
+                        lambda b, h, kh, qb, kb: (b, self._tile_of(h), 0, qb))
     return self._spec((None, None, 1, self.block_q), lambda b, h, kh, qb, kb: (b, h, 0, qb))
 
   def kv_tile(self, width):  # k, v, dK, dV: [b, kv_pad, kv_heads * width] or [b, kv_heads, kv_pad, width]
@@ -538,7 +616,8 @@ def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool):
   return _row_steps(count, xp), plan
 
 
-def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool):
+def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool,
+          tile_heads: int = 1):
   """The grid of one kernel, its number of steps per row and its SMEM tables (plan, tiles)."""
   block_q, block_kv = blocks
   row_steps, plan = _plan(cfg, blocks, q_seg, kv_seg, offsets, kv_major=kv_major)
@@ -552,7 +631,8 @@ def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool
     tiles = jnp.zeros((1,), jnp.int32)
   grid = _Grid(kv_major, cfg.has_segments, cfg.token_major, q.shape[0], cfg.num_heads,
                cfg.num_heads // cfg.num_kv_heads,
-               -(-cfg.q_len // block_q), -(-cfg.kv_len // block_kv), block_q, block_kv)
+               -(-cfg.q_len // block_q), -(-cfg.kv_len // block_kv), block_q, block_kv,
+               tile_heads)
   return grid, steps, (jnp.asarray(plan), tiles.astype(jnp.int32))
 
 
@@ -604,21 +684,22 @@ def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg):
   return ok & (tile.q_local < cfg.q_len) & (tile.kv_local < cfg.kv_len)
 
 
-def _alibi(cfg: _TpuCall, offsets_ref, step: _Step, tile: _Tile | None):
-  """The ALiBi term of a tile (slope bits read from SMEM), or None."""
+def _alibi(cfg: _TpuCall, offsets_ref, head, tile: _Tile | None):
+  """The ALiBi term of query head `head`'s tile (slope bits read from SMEM) in the units of the
+  pre-scaled logits (`_unit`: the scalar slope takes the factor), or None."""
   if not cfg.alibi:
     return None
-  slope = jax.lax.bitcast_convert_type(offsets_ref[2 + step.head], jnp.float32)
-  return dropout.alibi(slope, tile.q_pos, tile.kv_pos)
+  slope = jax.lax.bitcast_convert_type(offsets_ref[2 + head], jnp.float32)
+  return dropout.alibi(slope * _unit(cfg), tile.q_pos, tile.kv_pos)
 
 
-def _dropout(cfg: _TpuCall, offsets_ref, step: _Step, tile: _Tile | None):
+def _dropout(cfg: _TpuCall, offsets_ref, batch, head, tile: _Tile | None):
   """The dropout multiplier of a tile (0 or 1 / (1 - rate)), or None: `dropout.keep` on global
   positions with this (batch row, head)'s stream from SMEM."""
   if cfg.dropout_rate == 0:
     return None
   start = 2 + (cfg.num_heads if cfg.alibi else 0)
-  stream = offsets_ref[start + step.batch * cfg.num_heads + step.head]
+  stream = offsets_ref[start + batch * cfg.num_heads + head]
   kept = dropout.keep(stream, tile.q_pos, tile.kv_pos, cfg.dropout_rate)
   return jnp.where(kept, jnp.float32(dropout.keep_scale(cfg.dropout_rate)), jnp.float32(0.0))
 
@@ -657,16 +738,45 @@ def _dot(cfg: _TpuCall, a, b, contract):
   return dot(a_lo, b_hi) + dot(a_hi, b_lo) + dot(a_hi, b_hi)
 
 
+LOG2E = math.log2(math.e)
+
+
+def _unit(cfg: _TpuCall) -> float:
+  """What the logits (scale * q.k + alibi) are multiplied by before `_logits` returns or caps
+  them: base 2 (log2 e; the softmax runs on exp2) without a softcap; with one, whose tanh needs
+  natural units, 1 / softcap (`_logits` then multiplies the tanh by softcap * log2 e: one multiply
+  where there were three)."""
+  return LOG2E if cfg.softcap is None else 1.0 / cfg.softcap
+
+
+def _fold(cfg: _TpuCall) -> float:
+  """The factor folded into the q tile once per q block, so that the dot itself yields the
+  logits in `_unit`s: scale * log2 e, or scale / softcap."""
+  return cfg.scale * _unit(cfg)
+
+
+def _folded(cfg: _TpuCall, x):
+  """x * `_fold(cfg)`, multiplied in float32 and stored in x's dtype.
+
+  For bfloat16 the scaled tile is rounded to bfloat16 again (as JAX's splash kernels do with
+  their pre-scaled q): the logits then carry one more bfloat16 rounding of q (relative 2^-9),
+  the size of the rounding the inputs already have. A float32 tile would make every logits dot
+  a multi-pass float32 matmul. For float32 the product changes q by at most an ulp.
+  """
+  return (x.astype(jnp.float32) * _fold(cfg)).astype(x.dtype)
+
+
 def _logits(cfg: _TpuCall, a, b, alibi=None):
-  """scale * a @ b^T (+ alibi) in float32, soft-capped; also returns tanh(.) for the softcap gradient."""
+  """The base-2 logits log2(e) * cap(scale * q.k + alibi) of a tile, in float32, from `_folded`
+  operands (``a @ b^T``) and an `_alibi` in the same units; also returns the tanh for the softcap
+  gradient (d cap / dx = 1 - tanh^2), or None."""
   s = _dot(cfg, a, b, _NT)
-  s = s * cfg.scale
   if alibi is not None:
     s = s + alibi
   if cfg.softcap is None:
     return s, None
-  capped = jnp.tanh(s / cfg.softcap)
-  return cfg.softcap * capped, capped
+  capped = jnp.tanh(s)
+  return (cfg.softcap * LOG2E) * capped, capped
 
 
 def _cost(cfg: _TpuCall, b, h, per_pair_flops, nbytes):
@@ -689,56 +799,87 @@ def _nbytes(*arrays):
 
 def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
-    q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_seg_scr = refs
+    (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_scr,
+     q_seg_scr) = refs
   else:
-    q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs
-  # m_scr [bq, 128]: running row max of the logits seen so far (lane-replicated).
-  # l_scr [bq, 128]: running sum of exp(logit - m) over those logits (lane-replicated).
-  # acc_scr [bq, dv]: running sum of exp(logit - m) * v, rescaled whenever m grows.
+    q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_scr = refs
+  # Per query head j of the tile (grid.tile_heads of one GQA group; 1 for head-major operands):
+  # m_scr[j] [bq, 128]: running row max of the base-2 logits seen so far (lane-replicated).
+  # l_scr[j] [bq, 128]: running sum of exp2(logit - m) over those logits (lane-replicated).
+  # acc_scr[j] [bq, dv]: running sum of exp2(logit - m) * v, rescaled whenever m grows.
+  # q_scr[j] [bq, d]: head j's q tile times `_fold` (scale and log2 e), made once per q block:
+  #   the q block is constant along the steps, so one multiply of bq * d elements replaces one of
+  #   bq * bk logits per step, and the steps read it from VMEM as they would read q_ref.
   # q_seg_scr [bq, 128]: this q block's segment ids as a column (made once per q block).
   step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
+  heads, d, dv = grid.tile_heads, cfg.head_dim, cfg.head_dim_v
 
   @pl.when(step.first)
   def _init():
     m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, jnp.float32)
     l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
     acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+    for j in range(heads):  # lane-aligned column windows (d % 128 == 0 when heads > 1)
+      q_scr[j] = _folded(cfg, q_ref[:, j * d:(j + 1) * d])
     if cfg.has_segments:
       q_seg_scr[...] = _column(q_seg_ref[...])
 
   def update(masked: bool):
     shape = (grid.block_q, grid.block_kv)
     tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
-    s, _ = _logits(cfg, q_ref[...], k_ref[...], _alibi(cfg, offsets_ref, step, tile))
-    if masked:
+    if masked:  # one element mask for every head of the tile
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      s = jnp.where(_tile_visible(cfg, tile, *seg), s, -jnp.inf)
-    # Online softmax: with the new row max m', rescale what was summed under the old max m by
-    # exp(m - m') and add this block's exp(s - m'). A row with nothing visible yet keeps
-    # m' = -inf; shifting it by 0 instead makes its p and its rescale factor exactly 0, not NaN.
-    m_prev = m_scr[...]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    p = jnp.exp(s - shift[:, :1])
-    rescale = jnp.exp(m_prev - shift)
-    l_scr[...] = rescale * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)  # lse: before dropout
-    keep = _dropout(cfg, offsets_ref, step, tile)
-    if keep is not None:
-      p = p * keep
-    v = v_ref[...]
-    acc_scr[...] = acc_scr[...] * rescale[:, :1] + _dot(cfg, p.astype(v.dtype), v, _NN)
-    m_scr[...] = m_next
+      visible = _tile_visible(cfg, tile, *seg)
+
+    # The heads run in a loop, not unrolled: the body is compiled once whatever the group (an
+    # unrolled body grew Mosaic's compile by ~4 s per head), and its refs are indexed only along
+    # their leading, untiled axis. K and V are read from their VMEM tiles inside the body, as the
+    # matmuls would read them anyway, rather than held live across the loop.
+    def head_update(j, carry):
+      head = step.head + j
+      s, _ = _logits(cfg, q_scr[j], k_ref[...], _alibi(cfg, offsets_ref, head, tile))
+      if masked:
+        s = jnp.where(visible, s, -jnp.inf)
+      # Online softmax: with the new row max m', rescale what was summed under the old max m by
+      # exp2(m - m') and add this block's exp2(s - m'). A row with nothing visible yet keeps
+      # m' = -inf; shifting it by 0 instead makes its p and its rescale factor exactly 0, not NaN.
+      m_prev = m_scr[j]
+      m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+      p = jnp.exp2(s - shift[:, :1])
+      rescale = jnp.exp2(m_prev - shift)
+      l_scr[j] = rescale * l_scr[j] + jnp.sum(p, axis=1, keepdims=True)  # lse: before dropout
+      keep = _dropout(cfg, offsets_ref, step.batch, head, tile)
+      if keep is not None:
+        p = p * keep
+      v = v_ref[...]
+      acc_scr[j] = acc_scr[j] * rescale[:, :1] + _dot(cfg, p.astype(v.dtype), v, _NN)
+      m_scr[j] = m_next
+      return carry
+
+    if heads == 1:
+      head_update(0, None)
+    else:
+      jax.lax.fori_loop(0, heads, head_update, None)
 
   _when_visited(step, update)
 
   @pl.when(step.last)
   def _finish():
-    total = l_scr[...]
-    seen = total > 0  # rows that saw no key: output 0, lse -inf
-    o_ref[...] = (acc_scr[...] * jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)[:, :1]
-                  ).astype(o_ref.dtype)
-    lse = jnp.where(seen, m_scr[...] + jnp.log(jnp.where(seen, total, 1.0)), -jnp.inf)
-    lse_ref[...] = jnp.transpose(lse)[:1, :]  # [bq, 128] column -> [1, bq] row
+    for j in range(heads):
+      total = l_scr[j]
+      seen = total > 0  # rows that saw no key: output 0, lse -inf
+      o_ref[:, j * dv:(j + 1) * dv] = (
+          acc_scr[j] * jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)[:, :1]
+      ).astype(o_ref.dtype)
+      # m is in base 2: lse = ln 2 * m + ln(sum exp2(s - m)), natural at the interface.
+      lse = jnp.where(seen, m_scr[j] * math.log(2.0) + jnp.log(jnp.where(seen, total, 1.0)),
+                      -jnp.inf)
+      row = jnp.transpose(lse)[:1, :]  # [bq, 128] column -> [1, bq] row
+      if heads > 1:
+        lse_ref[j] = row
+      else:
+        lse_ref[...] = row
 
 
 def _dims(cfg: _TpuCall, q, k):
@@ -754,19 +895,25 @@ def _operand_shape(cfg: _TpuCall, b: int, h: int, length: int, d: int) -> tuple[
 
 def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   b, h, q_pad, kv_pad, d, dv = _dims(cfg, q, k)
-  grid, steps, tables = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
-  block_q = grid.block_q
+  grid, steps, tables = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False,
+                              tile_heads=cfg.fwd_heads)
+  block_q, heads = grid.block_q, grid.tile_heads
   inputs, in_specs = [q, k, v], [grid.q_tile(d), grid.kv_tile(d), grid.kv_tile(dv)]
-  scratch = [pltpu.VMEM((block_q, LANES), jnp.float32), pltpu.VMEM((block_q, LANES), jnp.float32),
-             pltpu.VMEM((block_q, dv), jnp.float32)]
+  scratch = [pltpu.VMEM((heads, block_q, LANES), jnp.float32),
+             pltpu.VMEM((heads, block_q, LANES), jnp.float32),
+             pltpu.VMEM((heads, block_q, dv), jnp.float32),
+             pltpu.VMEM((heads, block_q, d), q.dtype)]
   if cfg.has_segments:
     inputs += [_segment_rows(q_seg, q_pad), _segment_rows(kv_seg, kv_pad)]
     in_specs += grid.segment_rows()
     scratch.append(pltpu.VMEM((block_q, LANES), jnp.int32))
   out_shape = [jax.ShapeDtypeStruct(_operand_shape(cfg, b, h, q_pad, dv), q.dtype),
                jax.ShapeDtypeStruct((b, h, 1, q_pad), jnp.float32)]
+  # K/V are streamed once per q block for every q tile's heads: group / tile_heads times per
+  # kv head.
+  kv_reads = grid.num_outer * grid.group // heads
   cost = _cost(cfg, b, h, 2 * cfg.head_dim + 2 * cfg.head_dim_v,
-               _nbytes(q, *out_shape) + _nbytes(k, v) * grid.num_outer)
+               _nbytes(q, *out_shape) + _nbytes(k, v) * kv_reads)
   return _call(_forward_kernel, "flash_layers_fwd", cfg, grid, steps, (offsets, *tables), inputs,
                in_specs, out_shape, [grid.q_tile(dv), grid.q_row()], scratch, cost)
 
@@ -783,7 +930,13 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
     q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr, dv_scr = refs
   # dk_scr [bk, d], dv_scr [bk, dv]: float32 sums over every (query head of the group, q block)
   # that sees this kv block. kv_seg_scr [bk, 128]: this kv block's segment ids as a column.
-  # Tiles are transposed ([kv, q]) so the per-query rows lse and D broadcast along sublanes.
+  # Tiles are transposed ([kv, q]) so the per-query rows lse and D broadcast along sublanes; lse
+  # arrives in base 2 (`_backward_from_stats`).
+  # q changes every step here, and it is q that is scaled (`_folded`), per step: bq * d multiplies
+  # instead of bk * bq. Folding the scale into the resident k tile once would be cheaper still,
+  # but for bfloat16 it rounds differently from the forward's scaled q, and P recomputed from other
+  # roundings than the ones lse was summed from no longer sums to one (measured: dV's error
+  # against float64 3x larger, over the conformance limit).
   step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
 
   @pl.when(step.first)
@@ -797,14 +950,15 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
     q, do = q_ref[...], do_ref[...]
     shape = (grid.block_kv, grid.block_q)
     tile = _tile(offsets_ref, step, shape, 1) if masked or cfg.needs_positions else None
-    s_t, capped = _logits(cfg, k_ref[...], q, _alibi(cfg, offsets_ref, step, tile))  # [bk, bq]
-    if masked:
+    s_t, capped = _logits(cfg, k_ref[...], _folded(cfg, q), _alibi(cfg, offsets_ref, step.head,
+                                                                    tile))
+    if masked:  # s_t: [bk, bq]
       seg = (q_seg_ref[...], kv_seg_scr[:, :1]) if cfg.has_segments else (None, None)
       s_t = jnp.where(_tile_visible(cfg, tile, *seg), s_t, -jnp.inf)
     # lse is +inf for rows that see no key (set by the wrapper): their p is exactly 0.
-    p_t = jnp.exp(s_t - lse_ref[...])
+    p_t = jnp.exp2(s_t - lse_ref[...])
     dp_t = _dot(cfg, v_ref[...], do, _NT)
-    keep = _dropout(cfg, offsets_ref, step, tile)
+    keep = _dropout(cfg, offsets_ref, step.batch, step.head, tile)
     # Dropout: dV sums the kept, rescaled probabilities; dP passes only through kept entries.
     # delta = rowsum(dO * O) is unchanged (sum_j p_j keep_j dO.v_j = dO.O).
     pk_t = p_t if keep is None else p_t * keep
@@ -827,16 +981,19 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
 def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
-     dq_scr, lse_scr, delta_scr, q_seg_scr) = refs
+     dq_scr, lse_scr, delta_scr, q_scr, q_seg_scr) = refs
   else:
-    q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, lse_scr, delta_scr = refs
-  # dq_scr [bq, d]: float32 sum over the visible kv blocks. lse_scr, delta_scr, q_seg_scr
-  # [bq, 128]: this q block's lse, D and segment ids as columns (made once per q block).
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, lse_scr, delta_scr,
+     q_scr) = refs
+  # dq_scr [bq, d]: float32 sum over the visible kv blocks. lse_scr (base 2), delta_scr,
+  # q_seg_scr [bq, 128]: this q block's lse, D and segment ids as columns; q_scr [bq, d]: its q
+  # tile times `_fold`; all made once per q block.
   step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
 
   @pl.when(step.first)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+    q_scr[...] = _folded(cfg, q_ref[...])
     lse_scr[...] = _column(lse_ref[...])
     delta_scr[...] = _column(delta_ref[...])
     if cfg.has_segments:
@@ -846,13 +1003,13 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
     k, do = k_ref[...], do_ref[...]
     shape = (grid.block_q, grid.block_kv)
     tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
-    s, capped = _logits(cfg, q_ref[...], k, _alibi(cfg, offsets_ref, step, tile))  # [bq, bk]
-    if masked:
+    s, capped = _logits(cfg, q_scr[...], k, _alibi(cfg, offsets_ref, step.head, tile))
+    if masked:  # s: [bq, bk]
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
       s = jnp.where(_tile_visible(cfg, tile, *seg), s, -jnp.inf)
-    p = jnp.exp(s - lse_scr[:, :1])
+    p = jnp.exp2(s - lse_scr[:, :1])
     dp = _dot(cfg, do, v_ref[...], _NT)
-    keep = _dropout(cfg, offsets_ref, step, tile)
+    keep = _dropout(cfg, offsets_ref, step.batch, step.head, tile)
     if keep is not None:
       dp = dp * keep
     ds = p * (dp - delta_scr[:, :1])
@@ -900,9 +1057,10 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
       _dq_kernel, "flash_layers_bwd_dq", cfg, grid, steps, (offsets, *tables), inputs, specs(grid),
       dq_shape, grid.q_tile(d),
       [vmem((block_q, d)), vmem((block_q, LANES)), vmem((block_q, LANES)),
+       pltpu.VMEM((block_q, d), q.dtype),
        *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
-      _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
-            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * grid.num_outer),
+      _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,  # K/V once per q block and head
+            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * grid.num_outer * grid.group),
       aliases={3: 0} if reuse_do and do.shape == q.shape and do.dtype == q.dtype else None)
   return dq, dk, dv_
 
@@ -966,10 +1124,14 @@ def _row_delta(cfg: _TpuCall, out, d_out):
 
 def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out,
                          reuse_do: bool = False):
-  """The backward kernels on head-major padded arrays; lse, delta [b, h, 1, q_pad]."""
+  """The backward kernels on padded kernel-layout arrays; lse, delta [b, h, 1, q_pad].
+
+  The kernels recompute P = exp2(S2 - L2) from base-2 logits (`_logits`), so lse is handed to them
+  in base 2, L2 = L * log2 e: one multiply per row here, fused with the masking below.
+  """
   real = (jnp.arange(lse.shape[-1]) < cfg.q_len)[None, None, None, :]
   delta = jnp.where(real, delta, 0.0)
-  lse = jnp.where(real & (lse > -jnp.inf), lse, jnp.inf)
+  lse = jnp.where(real & (lse > -jnp.inf), lse * LOG2E, jnp.inf)
   return _backward(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out, reuse_do)
 
 
