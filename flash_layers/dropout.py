@@ -160,6 +160,13 @@ def alibi(slope, q_pos, kv_pos):
   return -jnp.asarray(slope, jnp.float32) * dist
 
 
+def offsets_table(request, args, batch: int) -> jax.Array:
+  """int32 [q_offset, kv_offset, then `kernel_table`]: the scalars both kernel families keep in
+  SMEM (TPU) or read as a small array (GPU); the offsets may be traced (ring attention)."""
+  offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
+  return jnp.concatenate([offsets, kernel_table(request, args, batch, request.num_heads)])
+
+
 def kernel_table(request, args, batch: int, num_heads: int) -> jax.Array:
   """int32 [alibi slope bits (num_heads), dropout streams (batch * num_heads)] for the kernels.
 

@@ -41,7 +41,7 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 * Dropout and ALiBi: each tile hashes its keep mask (`dropout.keep`, the function every
   impl uses) and its ALiBi term from global positions, in the forward and again in
   both backward kernels. Slopes and per-(batch, head) dropout streams come in the
-  small int32 offsets table (`dropout.kernel_table`).
+  small int32 offsets table (`dropout.offsets_table`).
 
 Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
 GPU generation and head_dim, each row citing its yardstick and sized to the
@@ -845,10 +845,8 @@ _flash.defvjp(_flash_forward, _flash_backward)
 
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   st = _GpuCall(request, config(request), bool(interpret))
-  offsets = jnp.concatenate([  # [q_offset, kv_offset, alibi slopes, dropout streams]
-      jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
-      dropout.kernel_table(request, args, batch, request.num_heads)])
-  return st, offsets
+  # [q_offset, kv_offset, alibi slopes, dropout streams]
+  return st, dropout.offsets_table(request, args, batch)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):

@@ -306,11 +306,8 @@ def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   cfg = _config(request, args, interpret)
   q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
-  # offsets: [q_offset, kv_offset, alibi slopes, dropout streams] (dropout.kernel_table), in SMEM.
-  offsets = jnp.concatenate([
-      jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)]),
-      dropout.kernel_table(request, args, batch, request.num_heads)])
-  return cfg, q_pad, kv_pad, offsets
+  # offsets: [q_offset, kv_offset, alibi slopes, dropout streams], in SMEM.
+  return cfg, q_pad, kv_pad, dropout.offsets_table(request, args, batch)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
