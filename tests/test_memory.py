@@ -36,7 +36,7 @@ def test_training_memory_plateaus(tmp_path):
   Resident memory may grow by 10% here, not the benchmark's 5%: 200 steps end inside the warm-up
   of glibc's malloc arenas (steps of 8-25 MiB as orbax's save threads allocate; six runs on a
   2-core VM, two at a time, grew RssAnon by 0.7% to 6.7% from steps 60-80 to 180-200, and the
-  600-step run in docs/benchmarks.md by 1.1%). The live-array floor is exact: the sampler waits
+  600-step run in docs/benchmarks.md by 2.6%). The live-array floor is exact: the sampler waits
   for saves in flight every 10 steps, so both windows hold samples of exactly the train state.
   """
   out = tmp_path / "memory.json"
