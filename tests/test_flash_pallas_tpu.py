@@ -89,18 +89,41 @@ def test_bfloat16_gqa_head_dim_v():
     np.testing.assert_allclose(np.asarray(g, np.float32), r, atol=0.05 * float(jnp.abs(r).max()))
 
 
+def _pallas_grids(jaxpr) -> dict[str, tuple]:
+  """{kernel name: grid} of every pallas_call in a jaxpr and the jaxprs it calls."""
+  grids = {}
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      name = eqn.params.get("name") or eqn.params.get("name_and_src_info")
+      grids[name if isinstance(name, str) else name.name] = eqn.params["grid_mapping"].grid
+      continue
+    for param in eqn.params.values():
+      for sub in param if isinstance(param, (tuple, list)) else (param,):
+        sub = getattr(sub, "jaxpr", sub)  # ClosedJaxpr -> Jaxpr
+        if hasattr(sub, "eqns"):
+          grids.update(_pallas_grids(sub))
+  return grids
+
+
 def test_gqa_group_shares_the_forward_tile():
-  """head_dim 128 (token-major): one forward program per (batch row, kv head, q block) runs both
-  query heads of a group against one K/V tile; several blocks, traced offsets, ALiBi per head."""
+  """head_dim 128 (token-major): one forward program and one dQ program per (batch row, kv head,
+  q block) run both query heads of a group against one K/V tile; several blocks, traced
+  offsets, ALiBi per head."""
   q, k, v = _inputs(t=300, h=4, kvh=2, d=128)
   kwargs = dict(causal=True, alibi_slopes=fl.alibi_slopes(4),
                 block_sizes=fl.BlockSizes(128, 128, 128, 128))
   with fl.interpret_as("tpu"):
     out, lse, grads = _run("flash_pallas", q, k, v, q_offset=40, kv_offset=25, **kwargs)
     explained = fl.explain(q, k, v, impl="flash_pallas", **kwargs)
+    grad = jax.grad(_loss("flash_pallas", **kwargs), (0, 1, 2))
+    grids = _pallas_grids(jax.make_jaxpr(grad)(q, k, v, jnp.int32(40), jnp.int32(25)).jaxpr)
   # 3 q blocks: rows (0, 2) and (1) of 1 + 3 and 2 steps -> 2 rows x 4 steps per kv head, where
   # one program per query head would take twice as many.
   assert explained.grid_steps == 2 * 2 * 4
+  # (batch, q tiles, rows, steps): the forward and dQ grids hold one q tile per kv head (the
+  # steps are a dynamic bound: the offsets are traced); dK/dV runs the group's heads innermost.
+  assert grids["flash_layers_fwd"][:3] == grids["flash_layers_bwd_dq"][:3] == (1, 2, 2)
+  assert grids["flash_layers_bwd_dkv"][:3] + grids["flash_layers_bwd_dkv"][4:] == (1, 2, 2, 2)
   ref_out, ref_lse, ref_grads = _run("reference", q, k, v, q_offset=40, kv_offset=25, **kwargs)
   _assert_close([out, lse], [ref_out, ref_lse], 2e-5)
   _assert_close(grads, ref_grads, 5e-5)
@@ -124,6 +147,24 @@ def test_forward_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, 
   assert tpu._vmem_need(128, 128, block_q, block_kv, 2, group) <= budget
   if block_q < blocks.block_q:  # shrunk: twice the rows would not have fitted
     assert tpu._vmem_need(128, 128, 2 * block_q, block_kv, 2, group) > budget
+
+
+@pytest.mark.parametrize(("generation", "heads", "kv_heads", "expected"), [
+    ("v5e", 8, 2, 4),  # the whole group
+    ("v5e", 16, 1, 8),  # at most MAX_TILE_HEADS
+    ("v4", 8, 1, 4),  # 16 MiB of VMEM: block_q_bwd stays 256, the heads halve until they fit
+])
+def test_dq_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, kv_heads, expected):
+  monkeypatch.setattr(tpu, "tpu_generation", lambda: generation)
+  q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
+  request, _ = dispatch.prepare(q, kv, kv)
+  bwd = tpu.default_block_sizes(generation).backward
+  assert tpu._dq_tile_heads(request, bwd, token_major=True) == expected
+  budget = 3 * tpu.VMEM_CAPACITY[generation] // 4
+  assert tpu._vmem_need(128, 128, *bwd, 2, expected) <= budget
+  if expected < min(heads // kv_heads, tpu.MAX_TILE_HEADS):  # shrunk: twice the heads did not fit
+    assert tpu._vmem_need(128, 128, *bwd, 2, 2 * expected) > budget
 
 
 def test_invisible_blocks_are_skipped_not_masked():

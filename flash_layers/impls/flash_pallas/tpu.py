@@ -37,10 +37,12 @@ then multiplies by softcap * log2 e), so the logits leave the dot in base 2 and 
 tile is scaled; ALiBi's slope takes the same unit. The online softmax and the backward's P use
 exp2; lse stays natural at the interface (the backward converts it once per row). bfloat16 q is
 rounded to bfloat16 again after scaling, as in JAX's splash kernels. With token-major operands and
-GQA, one forward program serves up to 8 query heads of a group: its q tile is the (block_q,
-heads * head_dim) window of their columns, each K/V tile is fetched once for all of them (v5e,
-[1, 8192, 8, 128] bf16 q on 2 kv heads: the forward's estimated HBM reads 544 -> 160 MiB), a loop
-runs the heads, and block_q halves if the group's tiles would not fit VMEM.
+GQA, one forward program and one dQ program serve up to 8 query heads of a group: the q tile (and
+dO, dQ) is the (block, heads * head_dim) window of their columns, lse and D rows are (heads, 1,
+block), each K/V tile is fetched once for all of them (v5e, [1, 8192, 8, 128] bf16 q on 2 kv
+heads, estimated HBM reads: forward 544 -> 160 MiB, dQ 560.5 -> 176.5 MiB), a loop runs the heads
+over per-head scratch, and if the group's tiles would not fit VMEM the forward halves block_q,
+the dQ kernel (whose block_q_bwd the dK/dV kernel shares) takes fewer heads.
 
 Backward (custom VJP, from the saved logsumexp L):
   P = exp(S - L),  dV = P^T dO,  dP = dO V^T,  dS = P * (dP - D),  dQ = dS K,  dK = dS^T Q
@@ -49,7 +51,8 @@ attention produces; rowsum(dO * O) is one small kernel). `attention_backward` ru
 backward kernels from given L and D: ring attention passes the global ones and never re-runs
 the forward. One kernel accumulates dK and dV for a kv block over the q blocks that see it
 (and over the query heads sharing the kv head: GQA never repeats K/V in HBM); a second kernel
-accumulates dQ for a q block over its kv blocks. Both skip blocks like the forward.
+accumulates dQ for a q block (and its tile's query heads) over its kv blocks. Both skip blocks
+like the forward.
 """
 
 from __future__ import annotations
@@ -206,8 +209,10 @@ class _TpuCall:
   # head * dim; legal for Mosaic when dim is a multiple of 128 lanes. Otherwise head-major
   # copies [b, heads, len, dim] are made (a transpose each way).
   token_major: bool = False
-  # Query heads per forward q tile: a GQA group's heads (token-major only) share one K/V stream.
+  # Query heads per forward / dQ q tile: a GQA group's heads (token-major only) share one K/V
+  # stream.
   fwd_heads: int = 1
+  dq_heads: int = 1
 
   @property
   def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
@@ -221,11 +226,12 @@ def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
     offsets_static = (int(args.q_offset), int(args.kv_offset))
   token_major = request.head_dim % LANES == 0 and request.head_dim_v % LANES == 0
   fwd, fwd_heads = _forward_tiles(request, fwd, token_major)
+  dq_heads = _dq_tile_heads(request, bwd, token_major)
   return _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
                   request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
                   offsets_static, interpret, request.num_heads, request.has_alibi,
                   request.dropout_rate, request.precision, request.num_kv_heads, token_major,
-                  fwd_heads)
+                  fwd_heads, dq_heads)
 
 
 # The forward's q tile covers up to this many query heads of a GQA group: each K/V tile is then
@@ -250,24 +256,41 @@ def _forward_tiles(request: Request, fwd: tuple[int, int], token_major: bool
   shorter q tile costs FLOPs per K/V byte, which the shared K/V stream more than returns); if
   even 128 rows do not fit, fewer heads share a tile (a divisor of the group), down to one.
   """
+  return _group_tiles(request, fwd, token_major, min_block_q=LANES)
+
+
+def _dq_tile_heads(request: Request, bwd: tuple[int, int], token_major: bool) -> int:
+  """Query heads per dQ q tile: the forward's rule (`_forward_tiles`) on the backward blocks,
+  except that block_q_bwd stays (it is also the dK/dV kernel's q tile and sets the padding with
+  the forward's block_q): only the heads shrink, to a divisor of the group, until the tile fits.
+  dQ's q-side tiles (q, dO, dQ) and scratch (the scaled q, dO, the accumulator, lse and D
+  columns) are what `_vmem_need` counts per head."""
+  return _group_tiles(request, bwd, token_major, min_block_q=bwd[0])[1]
+
+
+def _group_tiles(request: Request, blocks: tuple[int, int], token_major: bool, min_block_q: int
+                 ) -> tuple[tuple[int, int], int]:
+  """(blocks, heads per q tile): the most heads of a GQA group (at most MAX_TILE_HEADS) whose
+  tiles fit 3/4 of VMEM, halving block_q down to `min_block_q` before giving up heads."""
   group = request.num_heads // request.num_kv_heads
   if not token_major or group == 1:
-    return fwd, 1
+    return blocks, 1
   candidates = [h for h in range(min(group, MAX_TILE_HEADS), 1, -1) if group % h == 0]
   generation = tpu_generation()
   if generation not in VMEM_CAPACITY:  # generic tiles, no known budget: the largest group
-    return fwd, candidates[0] if candidates else 1
+    return blocks, candidates[0] if candidates else 1
   budget = 3 * VMEM_CAPACITY[generation] // 4
   itemsize = 2 if request.dtype == "bfloat16" else 4
   for heads in candidates:
-    block_q = fwd[0]
+    block_q = blocks[0]
     while True:
-      if _vmem_need(request.head_dim, request.head_dim_v, block_q, fwd[1], itemsize, heads) <= budget:
-        return (block_q, fwd[1]), heads
-      if block_q <= LANES:
+      if _vmem_need(request.head_dim, request.head_dim_v, block_q, blocks[1], itemsize,
+                    heads) <= budget:
+        return (block_q, blocks[1]), heads
+      if block_q <= min_block_q:
         break
-      block_q = max(LANES, block_q // 2 // LANES * LANES)
-  return fwd, 1
+      block_q = max(min_block_q, block_q // 2 // LANES * LANES)
+  return blocks, 1
 
 
 def grid_steps(request: Request, args: Args) -> int | None:
@@ -436,7 +459,7 @@ class _Grid:
   q-major (forward, dQ): (batch, heads / tile_heads, rows, steps). The *outer* blocks are q
     blocks; each has a range of visible kv blocks, [lo, lo + count), from the mask
     (`masks.block_visibility`). A q tile holds ``tile_heads`` consecutive query heads of one GQA
-    group (the forward with token-major operands; otherwise 1), which share each K/V tile.
+    group (forward and dQ with token-major operands; otherwise 1), which share each K/V tile.
   kv-major (dK/dV): (batch, kv heads, rows, steps, heads of the group): outer blocks are kv
     blocks, ranges of q blocks; every query head of the group is accumulated into the same
     resident dK/dV tile (K/V are never repeated for GQA).
@@ -978,47 +1001,75 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
 def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
-     dq_scr, lse_scr, delta_scr, q_scr, q_seg_scr) = refs
+     dq_scr, lse_scr, delta_scr, q_scr, do_scr, q_seg_scr) = refs
   else:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr, lse_scr, delta_scr,
-     q_scr) = refs
-  # dq_scr [bq, d]: float32 sum over the visible kv blocks. lse_scr (base 2), delta_scr,
-  # q_seg_scr [bq, 128]: this q block's lse, D and segment ids as columns; q_scr [bq, d]: its q
-  # tile times `_fold`; all made once per q block.
+     q_scr, do_scr) = refs
+  # Per query head j of the tile (grid.tile_heads of one GQA group, as in the forward; 1 for
+  # head-major operands), all made once per q block:
+  # dq_scr[j] [bq, d]: float32 sum over the visible kv blocks.
+  # lse_scr[j] (base 2), delta_scr[j] [bq, 128]: head j's lse and D rows as columns.
+  # q_scr[j] [bq, d]: head j's q tile times `_fold`; do_scr[j] [bq, dv]: its dO tile. The loop
+  #   over the heads indexes refs along their leading axis only (a head's columns of q_ref and
+  #   do_ref are static lane windows, copied out here).
+  # q_seg_scr [bq, 128]: this q block's segment ids as a column.
+  # dQ may be aliased into dO's buffer (`_backward`): a program copies its dO window to do_scr
+  # at its first step and writes dQ into the same window after its last; no other program
+  # touches that window.
   step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
+  heads, d, dv = grid.tile_heads, cfg.head_dim, cfg.head_dim_v
+
+  def row(ref, j):  # head j's [1, bq] row of lse or D
+    return ref[j] if heads > 1 else ref[...]
 
   @pl.when(step.first)
   def _init():
     dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
-    q_scr[...] = _folded(cfg, q_ref[...])
-    lse_scr[...] = _column(lse_ref[...])
-    delta_scr[...] = _column(delta_ref[...])
+    for j in range(heads):  # lane-aligned column windows (d % 128 == 0 when heads > 1)
+      q_scr[j] = _folded(cfg, q_ref[:, j * d:(j + 1) * d])
+      do_scr[j] = do_ref[:, j * dv:(j + 1) * dv]
+      lse_scr[j] = _column(row(lse_ref, j))
+      delta_scr[j] = _column(row(delta_ref, j))
     if cfg.has_segments:
       q_seg_scr[...] = _column(q_seg_ref[...])
 
   def update(masked: bool):
-    k, do = k_ref[...], do_ref[...]
     shape = (grid.block_q, grid.block_kv)
     tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
-    s, capped = _logits(cfg, q_scr[...], k, _alibi(cfg, offsets_ref, step.head, tile))
-    if masked:  # s: [bq, bk]
+    if masked:  # one element mask for every head of the tile
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      s = jnp.where(_tile_visible(cfg, tile, *seg), s, -jnp.inf)
-    p = jnp.exp2(s - lse_scr[:, :1])
-    dp = _dot(cfg, do, v_ref[...], _NT)
-    keep = _dropout(cfg, offsets_ref, step.batch, step.head, tile)
-    if keep is not None:
-      dp = dp * keep
-    ds = p * (dp - delta_scr[:, :1])
-    if capped is not None:
-      ds = ds * (1.0 - capped * capped)
-    dq_scr[...] += _dot(cfg, ds.astype(k.dtype), k, _NN)
+      visible = _tile_visible(cfg, tile, *seg)
+
+    # A loop, as in the forward (`_forward_kernel`): one compiled body, K and V read from their
+    # VMEM tiles inside it.
+    def head_update(j, carry):
+      head = step.head + j
+      k = k_ref[...]
+      s, capped = _logits(cfg, q_scr[j], k, _alibi(cfg, offsets_ref, head, tile))
+      if masked:  # s: [bq, bk]
+        s = jnp.where(visible, s, -jnp.inf)
+      p = jnp.exp2(s - lse_scr[j][:, :1])
+      dp = _dot(cfg, do_scr[j], v_ref[...], _NT)
+      keep = _dropout(cfg, offsets_ref, step.batch, head, tile)
+      if keep is not None:
+        dp = dp * keep
+      ds = p * (dp - delta_scr[j][:, :1])
+      if capped is not None:
+        ds = ds * (1.0 - capped * capped)
+      dq_scr[j] += _dot(cfg, ds.astype(k.dtype), k, _NN)
+      return carry
+
+    if heads == 1:
+      head_update(0, None)
+    else:
+      jax.lax.fori_loop(0, heads, head_update, None)
 
   _when_visited(step, update)
 
   @pl.when(step.last)
   def _finish():
-    dq_ref[...] = (dq_scr[...] * cfg.scale).astype(dq_ref.dtype)
+    for j in range(heads):
+      dq_ref[:, j * d:(j + 1) * d] = (dq_scr[j] * cfg.scale).astype(dq_ref.dtype)
 
 
 def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, reuse_do: bool):
@@ -1048,16 +1099,21 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
       _cost(cfg, b, h, 4 * cfg.head_dim + 4 * cfg.head_dim_v,
             _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * grid.num_outer))
 
-  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False)
+  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False,
+                              tile_heads=cfg.dq_heads)
+  block_q, heads = grid.block_q, grid.tile_heads
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  # K/V are streamed once per q block for every q tile's heads: group / tile_heads times per
+  # kv head.
+  kv_reads = grid.num_outer * grid.group // heads
   dq = _call(
       _dq_kernel, "flash_layers_bwd_dq", cfg, grid, steps, (offsets, *tables), inputs, specs(grid),
       dq_shape, grid.q_tile(d),
-      [vmem((block_q, d)), vmem((block_q, LANES)), vmem((block_q, LANES)),
-       pltpu.VMEM((block_q, d), q.dtype),
+      [vmem((heads, block_q, d)), vmem((heads, block_q, LANES)), vmem((heads, block_q, LANES)),
+       pltpu.VMEM((heads, block_q, d), q.dtype), pltpu.VMEM((heads, block_q, dv), do.dtype),
        *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
-      _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,  # K/V once per q block and head
-            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * grid.num_outer * grid.group),
+      _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
+            _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * kv_reads),
       aliases={3: 0} if reuse_do and do.shape == q.shape and do.dtype == q.dtype else None)
   return dq, dk, dv_
 
