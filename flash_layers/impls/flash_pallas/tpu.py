@@ -1076,7 +1076,9 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
   """dq, dk, dv. ``reuse_do``: dO is dead after this call (a VJP's cotangent), so the dQ kernel,
   which runs last and reads each dO tile only while it owns that q block, writes dQ into dO's
   buffer (input_output_aliases): one q-sized buffer less (at 8k tokens on v5e, the only HBM
-  temporary left)."""
+  temporary left). Token-major operands only: with head-major copies the alias made XLA keep
+  another q-sized float32 buffer (v5p, 262,144 tokens, 2 heads of 64: temporaries 772 -> 900
+  MiB), and saved nothing at 8k or 32k."""
   b, h, q_pad, kv_pad, d, dv = _dims(cfg, q, k)
   seg_inputs = []
   if cfg.has_segments:
@@ -1114,7 +1116,8 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
        *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
       _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
             _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * kv_reads),
-      aliases={3: 0} if reuse_do and do.shape == q.shape and do.dtype == q.dtype else None)
+      aliases={3: 0} if (reuse_do and cfg.token_major and do.shape == q.shape
+                         and do.dtype == q.dtype) else None)
   return dq, dk, dv_
 
 
