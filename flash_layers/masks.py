@@ -326,6 +326,50 @@ def block_stats(batch: int, num_heads: int, q_len: int, kv_len: int, block_q: in
   return visited, batch * num_heads * bm.visible.shape[1] * bm.visible.shape[2]
 
 
+def band(spec: MaskSpec, transpose: bool = False) -> tuple[int | None, int | None]:
+  """(lo, hi): causal and windows make key position - query position of a visible pair lie in
+  [lo, hi] (`visible`; segment ids and global tokens not counted); None is unbounded.
+  transpose: the band of query position - key position instead (kv blocks walking q blocks)."""
+  lo = hi = None
+  if spec.window is not None:
+    lo, hi = -spec.window[0], spec.window[1]
+  if spec.causal:
+    hi = 0 if hi is None else min(hi, 0)
+  if transpose:
+    lo, hi = (None if hi is None else -hi), (None if lo is None else -lo)
+  return lo, hi
+
+
+def visible_block_range(first, last, band: tuple[int | None, int | None], offset, length: int,
+                        block: int, xp=jnp):
+  """The other side's blocks seen by a block whose real positions are [first, last] (global).
+
+  The other side has `length` positions from global position `offset`, in `block`-sized
+  blocks; a pair is visible when (other - own position) lies in `band`. Returns (lo, full_lo,
+  full_hi, hi): blocks [lo, hi) hold a visible pair (exactly the tiles `block_map` marks
+  visible); [full_lo, full_hi) within it are the interior blocks, whose every position is real
+  and seen by every own position, so they need no element mask. The rest are the edges.
+  Element-wise: scalars in the GPU kernels (without segment ids or global tokens: then the
+  visible set is one interval), arrays of blocks with xp=numpy in the tests.
+  """
+  dmin, dmax = band
+  # Local index intervals of the other side, clamped to [0, length - 1] (empty when end < start).
+  seen_start = 0 if dmin is None else xp.clip(first + dmin - offset, 0, length)
+  seen_end = length - 1 if dmax is None else xp.clip(last + dmax - offset, -1, length - 1)
+  all_start = 0 if dmin is None else xp.clip(last + dmin - offset, 0, length)
+  all_end = length - 1 if dmax is None else xp.clip(first + dmax - offset, -1, length - 1)
+  # 0 blocks when nothing is seen. (A multiply: Pallas Triton lowers a scalar `where` with a
+  # literal branch to an i1 value.)
+  seen = (seen_start <= seen_end) * 1
+  lo = seen * (seen_start // block)
+  hi = seen * (seen_end // block + 1)
+  # Interior: whole blocks inside [all_start, all_end]; all_end <= length - 1 leaves out a ragged
+  # last block, whose positions past the length must be masked.
+  full_lo = xp.clip((all_start + block - 1) // block, lo, hi)
+  full_hi = xp.clip((all_end + 1) // block, full_lo, hi)
+  return tuple(xp.asarray(x, xp.int32) for x in (lo, full_lo, full_hi, hi))
+
+
 def count_visible(q_len: int, kv_len: int, spec: MaskSpec, q_offset: int = 0, kv_offset: int = 0) -> int:
   """How many (query, key) pairs causal/window leave visible (static; segment ids not counted;
   with global tokens an upper bound).
@@ -336,12 +380,11 @@ def count_visible(q_len: int, kv_len: int, spec: MaskSpec, q_offset: int = 0, kv
   q_pos = q_offset + np.arange(q_len, dtype=np.int64)
   lo = np.full(q_len, kv_offset, dtype=np.int64)
   hi = np.full(q_len, kv_offset + kv_len - 1, dtype=np.int64)
-  if spec.causal:
-    hi = np.minimum(hi, q_pos)
-  if spec.window is not None:
-    left, right = spec.window
-    lo = np.maximum(lo, q_pos - left)
-    hi = np.minimum(hi, q_pos + right)
+  dmin, dmax = band(spec)
+  if dmin is not None:
+    lo = np.maximum(lo, q_pos + dmin)
+  if dmax is not None:
+    hi = np.minimum(hi, q_pos + dmax)
   count = int(np.maximum(hi - lo + 1, 0).sum())
   if spec.global_tokens and spec.window is not None:  # an upper bound: g full rows and columns more
     g = spec.global_tokens

@@ -8,8 +8,6 @@ skipping explain() reports.
 
 from __future__ import annotations
 
-import types
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -252,9 +250,10 @@ def test_causal_loops_have_no_cond_and_lengths_need_no_padded_copies():
 
 
 def test_arithmetic_block_ranges_match_a_brute_force_count():
-  """`_block_ranges` against the visible pairs counted position by position: [lo, hi) spans exactly
-  the blocks with a visible pair, [full_lo, full_hi) exactly the whole blocks with every pair
-  visible, for q blocks walking kv blocks and kv blocks walking q blocks, with offsets."""
+  """`masks.visible_block_range` (the GPU kernels' ranges) against the visible pairs counted
+  position by position: [lo, hi) spans exactly the blocks with a visible pair, [full_lo, full_hi)
+  exactly the whole blocks with every pair visible, for q blocks walking kv blocks and kv blocks
+  walking q blocks, with offsets."""
   rng = np.random.default_rng(0)
   for _ in range(120):
     q_len, kv_len = (int(x) for x in rng.integers(1, 90, 2))
@@ -265,16 +264,15 @@ def test_arithmetic_block_ranges_match_a_brute_force_count():
     # One shape for every case (eager jax compiles per shape), cut to the lengths.
     vis = np.asarray(fl.masks.visible((q_offset + np.arange(96))[:, None],
                                       (kv_offset + np.arange(96))[None, :], spec))[:q_len, :kv_len]
-    lo_d, hi_d = gpu._band(types.SimpleNamespace(request=types.SimpleNamespace(spec=spec)))
     for by_q in (True, False):
       own = (q_len, block_q, q_offset) if by_q else (kv_len, block_kv, kv_offset)
       other = (kv_len, block_kv, kv_offset) if by_q else (q_len, block_q, q_offset)
       pairs = vis if by_q else vis.T
-      band = (lo_d, hi_d) if by_q else (None if hi_d is None else -hi_d, None if lo_d is None else -lo_d)
-      # All own blocks at once: `_block_ranges` is element-wise.
+      band = fl.masks.band(spec, transpose=not by_q)
+      # All own blocks at once: `visible_block_range` is element-wise.
       starts = np.arange(0, own[0], own[1])
       first, last = own[2] + starts, own[2] + np.minimum(starts + own[1], own[0]) - 1
-      ranges = gpu._block_ranges(first, last, band, other[2], other[0], other[1], xp=np)
+      ranges = fl.masks.visible_block_range(first, last, band, other[2], other[0], other[1], xp=np)
       ranges = np.stack([np.broadcast_to(x, first.shape) for x in ranges], axis=-1)  # no band: scalars
       for b, (lo, full_lo, full_hi, hi) in enumerate(ranges.tolist()):
         rows = pairs[b * own[1]:(b + 1) * own[1]]

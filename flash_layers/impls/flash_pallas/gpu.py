@@ -24,7 +24,7 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 * Which blocks a program visits. Causal and windows make the keys a query sees
   one interval of positions, so without segment ids each program computes its
   range from the global offsets (`q_offset`/`kv_offset`, possibly traced, in a
-  tiny int32 array) and the tile sizes (`_block_ranges`): the interior blocks,
+  tiny int32 array) and the tile sizes (`masks.visible_block_range`): the interior blocks,
   where every pair is visible and every position real, run in a loop with no
   element mask and no `cond`; the edge blocks (the diagonal, window edges, the
   ragged last block) run in a second loop with the mask. With segment ids
@@ -328,50 +328,6 @@ def _ragged(length: int, block: int) -> int | None:
   return length if length % block else None
 
 
-# ----------------------------------------------------------------------------
-# Visible block ranges by arithmetic (no segment ids)
-# ----------------------------------------------------------------------------
-
-def _band(st: _GpuCall) -> tuple[int | None, int | None]:
-  """(lo, hi): causal and windows make key position - query position of a visible pair lie in
-  [lo, hi] (`masks.visible`); None is unbounded."""
-  spec = st.request.spec
-  lo = hi = None
-  if spec.window is not None:
-    lo, hi = -spec.window[0], spec.window[1]
-  if spec.causal:
-    hi = 0 if hi is None else min(hi, 0)
-  return lo, hi
-
-
-def _block_ranges(first, last, band, offset, length: int, block: int, xp=jnp):
-  """The other side's blocks seen by a block whose real positions are [first, last] (global).
-
-  The other side has `length` positions from global position `offset`, in `block`-sized
-  blocks; a pair is visible when (other - own position) lies in `band`. Returns (lo, full_lo,
-  full_hi, hi): blocks [lo, hi) hold a visible pair (exactly the tiles `masks.block_map` marks
-  visible); [full_lo, full_hi) within it are the interior blocks, whose every position is real
-  and seen by every own position, so they need no element mask. The rest are the edges.
-  Element-wise: scalars in the kernels, arrays of blocks with xp=numpy in the tests.
-  """
-  dmin, dmax = band
-  # Local index intervals of the other side, clamped to [0, length - 1] (empty when end < start).
-  seen_start = 0 if dmin is None else xp.clip(first + dmin - offset, 0, length)
-  seen_end = length - 1 if dmax is None else xp.clip(last + dmax - offset, -1, length - 1)
-  all_start = 0 if dmin is None else xp.clip(last + dmin - offset, 0, length)
-  all_end = length - 1 if dmax is None else xp.clip(first + dmax - offset, -1, length - 1)
-  # 0 blocks when nothing is seen. (A multiply: Pallas Triton lowers a scalar `where` with a
-  # literal branch to an i1 value.)
-  seen = (seen_start <= seen_end) * 1
-  lo = seen * (seen_start // block)
-  hi = seen * (seen_end // block + 1)
-  # Interior: whole blocks inside [all_start, all_end]; all_end <= length - 1 leaves out a ragged
-  # last block, whose positions past the length must be masked.
-  full_lo = xp.clip((all_start + block - 1) // block, lo, hi)
-  full_hi = xp.clip((all_end + 1) // block, full_lo, hi)
-  return tuple(xp.asarray(x, xp.int32) for x in (lo, full_lo, full_hi, hi))
-
-
 def _visit_ranges(ranges, visit, carry):
   """Run `visit(block, carry, masked)` over a range: the interior blocks in a loop with no element
   mask (and no `cond`), then the edges before and after it with the mask."""
@@ -480,16 +436,15 @@ def _walk(st: _GpuCall, offsets_ref, table, own_block, own_size, own_len, other_
   """Run `visit(other_block, carry, masked)` over the blocks the own block sees.
 
   by_q: the own block is a q block walking kv blocks (forward, dQ); else a kv block walking q
-  blocks (dK/dV). Without segment ids the range is arithmetic (`_block_ranges`); with them the
+  blocks (dK/dV). Without segment ids the range is arithmetic (`masks.visible_block_range`); with them the
   block map's list (`table`: index, count, full refs) drives one loop and its `full` flag.
   """
   if st.arithmetic:
     own_offset, other_offset = (offsets_ref[0], offsets_ref[1]) if by_q else (offsets_ref[1], offsets_ref[0])
     first = own_offset + own_block * own_size
     last = own_offset + jnp.minimum(own_block * own_size + own_size, own_len) - 1
-    lo, hi = _band(st)
-    band = (lo, hi) if by_q else (None if hi is None else -hi, None if lo is None else -lo)
-    ranges = _block_ranges(first, last, band, other_offset, other_len, other_size)
+    band = masks.band(st.request.spec, transpose=not by_q)
+    ranges = masks.visible_block_range(first, last, band, other_offset, other_len, other_size)
     return _visit_ranges(ranges, visit, carry)
   index_ref, count_ref, full_ref = table
 
