@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import dropout, masks
+from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import pad_to
 
@@ -343,6 +344,9 @@ class XlaChunked:
                              args.kv_segment_ids, args.q_offset, args.kv_offset)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
+    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args)
+
+  def _attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, d = q.shape
     dv = v.shape[3]
     st, (qc, kc, vc), q_seg, kv_seg, bm, extras = self._layout(q, k, v, request, args)
@@ -356,6 +360,11 @@ class XlaChunked:
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]``: the chunked backward
     alone (each visited chunk's probabilities from lse), no forward."""
+    return cpu_loop.looped_on_cpu(
+        lambda q, k, v, d_out, lse, delta, **kw: self._backward(q, k, v, lse, delta, d_out, **kw),
+        q, k, v, request=request, args=args, q_like=(d_out,), stats=(lse, delta))
+
+  def _backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     b, t, h, d = q.shape
     s, kvh = k.shape[1], k.shape[2]
     st, (qc, kc, vc), q_seg, kv_seg, bm, extras = self._layout(q, k, v, request, args)

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import dropout, masks
+from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
 
@@ -191,6 +192,9 @@ class XlaDense:
     return "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
+    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args)
+
+  def _attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, _ = q.shape
     st, f32, mask, extra, keep = _operands(q, k, v, request, args)
     out, lse = _dense(st, *f32, mask, extra, keep)
@@ -200,6 +204,11 @@ class XlaDense:
     """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]`` (the softmax's normaliser
     and rowsum(dO * O) - dlse of the whole output): P = exp(logits - lse), then the same
     gradients as the VJP. Also serves reference and xla_native in ring attention's backward."""
+    return cpu_loop.looped_on_cpu(
+        lambda q, k, v, d_out, lse, delta, **kw: self._backward(q, k, v, lse, delta, d_out, **kw),
+        q, k, v, request=request, args=args, q_like=(d_out,), stats=(lse, delta))
+
+  def _backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
