@@ -142,7 +142,7 @@ def test_cpu_dense_runs_every_variant_side_by_side(tmp_path, capsys):
   rows = result["rows"]
   assert {(r["variant"], r["mask"]) for r in rows} == {
       (v, m) for v in cpu_dense.DEFAULT_VARIANTS for m in ("none", "segments")}
-  assert all(r["cpu_ms"] >= 0 and r["auto_picks"] == "xla_dense" for r in rows)
+  assert all(r["cpu_ms"] >= 0 and r["auto_picks"] == "xla_chunked" for r in rows)
   assert all(r["flax_cpu_over_ours"] == 1.0 for r in rows if r["variant"] == "flax")
   assert result["meta"]["cpus"] == os.cpu_count()
   assert "| [1, 16, 2, 8] | segments | xla_dense |" in capsys.readouterr().out
