@@ -22,6 +22,12 @@ log = logging.getLogger("flash_layers")
 
 AUTO = "auto"
 
+# On CPU, xla_dense's fwd+bwd wins while its [q_len, kv_len] logits stay small; from this many keys
+# on, "auto" takes xla_chunked, whose memory is O(len * chunk). Both run a forward pass that is not
+# differentiated one batch row and kv head at a time there (impls/cpu_loop.py). (docs/contract.md:
+# the auto rule; docs/benchmarks.md: the crossover.)
+CPU_CHUNKED_MIN_KV_LEN = 1024
+
 
 
 # ----------------------------------------------------------------------------
@@ -256,13 +262,14 @@ def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
                     ("xla_chunked", "GPU: flash_pallas cannot serve it; chunked keeps memory linear"),
                     ("xla_native", "GPU: XLA attention"),
                     ("reference", "GPU: nothing else serves this request")]
-  # CPU: both XLA impls run one batch row and kv head at a time there (impls/cpu_loop.py).
-  # xla_chunked was the faster below 1,024 keys and in every forward pass measured, and its
-  # memory is linear; xla_dense's fwd+bwd was 1.2-1.4x faster at 1,024-2,048 keys, for O(len^2)
-  # memory (docs/benchmarks.md, "Attention on the CPU").
-  return [("xla_chunked", "CPU: chunked attention one row and kv head at a time: the fastest CPU "
-           "path measured below 1,024 keys and in forward passes, memory linear"),
-          ("xla_dense", "CPU: xla_chunked cannot serve it"),
+  if request.kv_len >= CPU_CHUNKED_MIN_KV_LEN:
+    return [("xla_chunked", f"CPU: kv_len {request.kv_len} >= {CPU_CHUNKED_MIN_KV_LEN}, "
+             "chunked attention keeps memory linear"),
+            ("xla_dense", "CPU: dense attention"),
+            ("reference", "CPU: nothing else serves this request")]
+  return [("xla_dense", f"CPU: kv_len {request.kv_len} < {CPU_CHUNKED_MIN_KV_LEN}, dense attention "
+           "laid out for XLA:CPU while the [q_len, kv_len] logits are small"),
+          ("xla_chunked", "CPU: xla_dense cannot serve it"),
           ("reference", "CPU: nothing else serves this request")]
 
 

@@ -142,9 +142,24 @@ def test_cpu_dense_runs_every_variant_side_by_side(tmp_path, capsys):
   rows = result["rows"]
   assert {(r["variant"], r["mask"]) for r in rows} == {
       (v, m) for v in cpu_dense.DEFAULT_VARIANTS for m in ("none", "segments")}
-  assert all(r["cpu_ms"] >= 0 and r["auto_picks"] == "xla_chunked" for r in rows)
+  assert all(r["cpu_ms"] >= 0 and r["auto_picks"] == "xla_dense" for r in rows)
   assert all(r["flax_cpu_over_ours"] == 1.0 for r in rows if r["variant"] == "flax")
   assert result["meta"]["cpus"] == os.cpu_count()
-  assert "| [1, 16, 2, 8] | segments | xla_dense |" in capsys.readouterr().out
+  assert "| [1, 16, 2, 8] | segments | fwd+bwd | xla_dense |" in capsys.readouterr().out
   with pytest.raises(SystemExit):
     cpu_dense.main(["--shapes", "16x2x8"])
+
+
+def test_cpu_dense_forward_pass_and_whole_call_variants(tmp_path):
+  """`--passes fwd,fwd+bwd` and the `<impl>@whole` variants (the impl on the whole call, not looped)."""
+  from benchmarks import cpu_dense
+
+  out = tmp_path / "loop.json"
+  assert cpu_dense.main(["--shapes", "2x16x2x8", "--masks", "segments", "--rounds", "1", "--passes",
+                         "fwd,fwd+bwd", "--variants", "xla_chunked,xla_chunked@whole,xla_dense@whole",
+                         "--json", str(out)]) == 0
+  rows = json.loads(out.read_text())["rows"]
+  assert {(r["variant"], r["pass"]) for r in rows} == {
+      (v, p) for v in ("xla_chunked", "xla_chunked@whole", "xla_dense@whole") for p in ("fwd", "fwd+bwd")}
+  with pytest.raises(SystemExit):
+    cpu_dense.main(["--passes", "bwd"])

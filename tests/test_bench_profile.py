@@ -44,7 +44,7 @@ def test_auto_trace_names_the_impl_it_chose(tmp_path):
   _, found = _names_in_fresh_process(tmp_path, """
       profile.trace_attention(OUT, impl="auto", seq_len=128, mask="packed", shape=SMALL, repeats=1)
   """)
-  assert "flash_layers.xla_chunked" in found  # auto's CPU choice
+  assert "flash_layers.xla_dense" in found  # auto's CPU choice below 1,024 keys
 
 
 def test_plain_xla_trace_has_none_of_our_names(tmp_path):

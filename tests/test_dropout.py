@@ -131,9 +131,9 @@ def test_lse_is_the_normaliser_before_dropout():
 def test_auto_picks_an_impl_with_dropout_and_xla_native_refuses():
   q, k, v, _ = _inputs()
   key = jax.random.key(0)
-  # CPU: xla_chunked serves dropout itself.
-  assert fl.explain(q, k, v).impl == "xla_chunked"
-  assert fl.explain(q, k, v, dropout_rate=0.1, dropout_rng=key).impl == "xla_chunked"
+  # CPU, short: xla_dense serves dropout itself.
+  assert fl.explain(q, k, v).impl == "xla_dense"
+  assert fl.explain(q, k, v, dropout_rate=0.1, dropout_rng=key).impl == "xla_dense"
   # GPU: cuDNN (xla_native) comes first when eligible, and is passed over for dropout.
   half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
   plain, _ = dispatch.prepare(*half)

@@ -1,5 +1,5 @@
 """xla_dense beyond the conformance suite: the lse cotangent, ring offsets, dense masks with GQA,
-and where the CPU auto rule puts it."""
+and the CPU auto rule that picks it."""
 
 from __future__ import annotations
 
@@ -66,11 +66,14 @@ def _struct(t: int):
 
 
 @pytest.mark.parametrize("segments", [False, True])
-def test_auto_on_cpu_is_chunked_at_every_length_and_dense_comes_next(segments):
+def test_auto_on_cpu_is_dense_below_the_crossover_and_chunked_from_it(segments):
+  short, long = 512, dispatch.CPU_CHUNKED_MIN_KV_LEN
   kwargs = lambda t: {"segment_ids": jnp.ones((1, t), jnp.int32)} if segments else {}
-  for t in (128, 512, 1024, 4096):
-    e = fl.explain(_struct(t), _struct(t), _struct(t), **kwargs(t))
-    assert (e.impl, e.kernel) == ("xla_chunked", "xla") and "one row and kv head at a time" in e.reason
-  request, _ = dispatch.prepare(_struct(512), _struct(512), _struct(512))
-  assert [name for name, _ in dispatch._auto_candidates(request, "cpu")] == [
-      "xla_chunked", "xla_dense", "reference"]
+  e = fl.explain(_struct(short), _struct(short), _struct(short), **kwargs(short))
+  assert (e.impl, e.kernel) == ("xla_dense", "xla")
+  assert f"kv_len {short} < {long}" in e.reason and "dense" in e.reason
+  e = fl.explain(_struct(long), _struct(long), _struct(long), **kwargs(long))
+  assert e.impl == "xla_chunked"
+  assert f"kv_len {long} >= {long}" in e.reason and "memory" in e.reason
+  # Cross-attention: the rule reads the key length, not the query length.
+  assert fl.explain(_struct(long), _struct(short), _struct(short)).impl == "xla_dense"

@@ -8,9 +8,13 @@ passes, not the matmuls, set the time. `per_row_and_head` runs an impl's own com
 two `lax.map`s, over batch rows and over kv heads (a step holds the kv head's group of query
 heads), so each step's logits are [g, q, kv] (or one chunk of them): 1 MiB at 512 x 512.
 
-Measured on a 2-core AMD EPYC VM (XLA:CPU, float32, process CPU time, docs/benchmarks.md): the
-forward of [8, 512, 12, 32] went 166 -> 79 ms (xla_dense) and [1, 4096, 12, 32] 859 -> ~500 ms
-(xla_chunked). The loops are sequential, so each step's ops still use XLA's intra-op threads.
+xla_chunked runs its forward and backward this way. xla_dense loops only a forward pass that is not
+differentiated (evaluation, inference; its own `_dense_looped`, inside its custom VJP): under
+differentiation its whole-call forward and backward were faster at batch > 1. Measured on a 2-core
+AMD EPYC VM (XLA:CPU, float32, process CPU time; docs/benchmarks.md, "Attention on the CPU"): the
+forward of [8, 512, 12, 64] with segment ids took 166 -> 113 ms (xla_dense) and 254 -> 129 ms
+(xla_chunked); fwd+bwd of [4, 512, 12, 32] 348 -> 134 ms (xla_chunked). The loops are sequential;
+each step's ops still use XLA's intra-op threads.
 
 Why only on CPU: on TPU and GPU the loops would serialise work the chip runs in parallel, so the
 impls choose this by the platform they are lowered for (`looped_on_cpu`,

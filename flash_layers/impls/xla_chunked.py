@@ -20,7 +20,10 @@ gradient (dS before the logit scale) is written tile by tile.
 Layout inside: q ``[b, nq, kvh, g, bq, d]`` (g = query heads per kv head, so
 GQA/MQA read each kv head once, never repeated), k/v ``[b, nk, kvh, bk, d]``.
 The per-row work is written for one batch row and vmapped over the batch,
-because with segment ids each row has its own list of visible chunks.
+because with segment ids each row has its own list of visible chunks. Lowered
+for CPU, the whole call instead runs once per batch row and kv head
+(`impls/cpu_loop.py`): each row then loops over its own chunk list only, and a
+step's [g, bq, bk] tile stays in cache.
 """
 
 from __future__ import annotations

@@ -1,7 +1,13 @@
-"""Dense attention written for XLA:CPU: the short-sequence path "auto" takes on a CPU.
+"""Dense attention written for XLA:CPU, with a custom VJP that saves the probabilities.
 
 The math is the reference's (float32 logits, masked softmax, ``(out, lse)``), laid
 out for what XLA:CPU does well:
+
+* Lowered for CPU, a forward pass that is not differentiated (evaluation, inference)
+  runs once per batch row and kv head (`lax.map`s, as `impls/cpu_loop.py` explains),
+  so a step's ``[g, t, s]`` logits stay in cache. Under differentiation the forward
+  and backward run on the whole call (looping them was slower at batch > 1), as on
+  every other platform.
 
 * Query heads keep the ``[b, t, h, d]`` layout flax uses; the einsums below are
   written once with a group axis ``g`` (query heads per kv head) that is dropped
@@ -38,7 +44,6 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import dropout, masks
-from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
 
@@ -50,6 +55,7 @@ class _DenseCall:
   group: int  # query heads per kv head; 1 drops the "g" axis from every einsum
   dropout_rate: float = 0.0
   precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every einsum (the request's)
+  looped: bool = False  # the forward alone one batch row and kv head at a time (the CPU layout)
 
 
 def _einsum(st: _DenseCall, spec: str, a, b):
@@ -65,7 +71,45 @@ def _to_rows(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _dense(st, q, k, v, mask, extra, keep):
+  # Not differentiated (evaluation, inference): the looped forward when lowered for CPU.
+  # Differentiated: `_dense_fwd` on the whole call, saving what `_dense_bwd` needs.
+  if st.looped:
+    return _dense_looped(st, q, k, v, mask, extra, keep)
   return _dense_fwd(st, q, k, v, mask, extra, keep)[0]
+
+
+# The batch axis of every operand and result of `_dense_fwd` is 0; its kv-head axis:
+_KV_AXIS = {"q": 2, "k": 2, "v": 2, "mask": 1, "extra": 1, "keep": 1, "out": 2, "lse": 1}
+
+
+def _dense_looped(st, q, k, v, mask, extra, keep):
+  """(out, lse) of `_dense_fwd`, one batch row and kv head at a time (`lax.map`s), so a step's
+  [g, t, s] logits stay in cache. Only for the forward alone: under differentiation the whole-call
+  forward and backward ran faster on XLA:CPU at batch > 1 (docs/benchmarks.md, "Attention on the
+  CPU"), so `_dense`'s VJP uses those."""
+  b, kvh = q.shape[0], k.shape[2]
+  operands = {"q": q, "k": k, "v": v, "mask": mask, "extra": extra, "keep": keep}
+  # Each operand with its batch and kv-head axes first ([B', KVH', ...], B' and KVH' the size or 1).
+  lead = {n: jnp.moveaxis(x, _KV_AXIS[n], 1) for n, x in operands.items() if x is not None}
+  by_row = {n: x for n, x in lead.items() if x.shape[0] == b}
+  rows_shared = {n: x[0] for n, x in lead.items() if n not in by_row}
+
+  def row(row_xs):
+    here = {**rows_shared, **row_xs}
+    by_head = {n: x for n, x in here.items() if x.shape[0] == kvh}
+    heads_shared = {n: x[0] for n, x in here.items() if n not in by_head}
+
+    def head(head_xs):
+      x = {**heads_shared, **head_xs}
+      one = {n: None if n not in x else jnp.expand_dims(x[n], (0, _KV_AXIS[n])) for n in operands}
+      out, lse = _dense_fwd(st, **one)[0]
+      return {"out": out, "lse": lse}
+
+    return jax.lax.map(head, by_head)
+
+  stacked = jax.lax.map(row, by_row)  # each [b, kvh, *step result]: batch and kv-head axes of size 1
+  whole = {n: jnp.moveaxis(jnp.squeeze(y, (2, 2 + _KV_AXIS[n])), 1, _KV_AXIS[n]) for n, y in stacked.items()}
+  return whole["out"], whole["lse"]
 
 
 def _logits(st, q, k, mask, extra):
@@ -192,23 +236,22 @@ class XlaDense:
     return "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args)
+    if q.shape[0] * k.shape[2] == 1:
+      return self._attend(q, k, v, request=request, args=args)
+    return jax.lax.platform_dependent(
+        q, k, v, cpu=lambda q, k, v: self._attend(q, k, v, request=request, args=args, looped=True),
+        default=lambda q, k, v: self._attend(q, k, v, request=request, args=args))
 
-  def _attend(self, q, k, v, *, request: Request, args: Args):
+  def _attend(self, q, k, v, *, request: Request, args: Args, looped: bool = False):
     b, t, h, _ = q.shape
     st, f32, mask, extra, keep = _operands(q, k, v, request, args)
-    out, lse = _dense(st, *f32, mask, extra, keep)
+    out, lse = _dense(dataclasses.replace(st, looped=looped), *f32, mask, extra, keep)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]`` (the softmax's normaliser
     and rowsum(dO * O) - dlse of the whole output): P = exp(logits - lse), then the same
     gradients as the VJP. Also serves reference and xla_native in ring attention's backward."""
-    return cpu_loop.looped_on_cpu(
-        lambda q, k, v, d_out, lse, delta, **kw: self._backward(q, k, v, lse, delta, d_out, **kw),
-        q, k, v, request=request, args=args, q_like=(d_out,), stats=(lse, delta))
-
-  def _backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
