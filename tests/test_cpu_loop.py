@@ -87,8 +87,8 @@ def test_chunked_backward_from_statistics_loops():
     np.testing.assert_allclose(a, b, atol=2e-5, err_msg=name)
 
 
-def _lowered_text(impl: str, platform: str) -> str:
-  (q, k, v), _ = _problem(b=2, t=64, s=64, h=4, kvh=2)
+def _lowered_text(impl: str, platform: str, t: int) -> str:
+  (q, k, v), _ = _problem(b=2, t=t, s=t, h=4, kvh=2)
   request, args = dispatch.prepare(q, k, v, causal=True)
   chosen = REGISTRY[impl]
   f = jax.jit(lambda q, k, v: chosen.attend(q, k, v, request=request, args=args))
@@ -98,9 +98,17 @@ def _lowered_text(impl: str, platform: str) -> str:
 @pytest.mark.parametrize("impl", ["xla_dense", "xla_chunked"])
 def test_cpu_lowering_loops_and_cuda_does_not(impl):
   """Chosen by the platform the program is lowered for: the CPU program's logits are one kv head's
-  [2 query heads, 64, 64] inside the loops; a CUDA lowering (from this CPU host) keeps every row and
-  head in one [2 rows, 2 kv heads, 2, 64, 64] array (xla_dense's batch, xla_chunked's vmap)."""
-  cpu, cuda = _lowered_text(impl, "cpu"), _lowered_text(impl, "cuda")
-  per_head, whole = "tensor<1x1x2x64x64xf32>", "tensor<2x2x2x64x64xf32>"  # [b, kvh, g, t, s]
+  [2 query heads, 256, 256] inside the loops; a CUDA lowering (from this CPU host) keeps every row and
+  head in one [2 rows, 2 kv heads, 2, 256, 256] array (xla_dense's batch, xla_chunked's vmap)."""
+  assert cpu_loop.CACHE_BYTES < 4 * 2 * 4 * 256 * 256  # the whole call's logits do not fit: loop
+  cpu, cuda = _lowered_text(impl, "cpu", 256), _lowered_text(impl, "cuda", 256)
+  per_head, whole = "tensor<1x1x2x256x256xf32>", "tensor<2x2x2x256x256xf32>"  # [b, kvh, g, t, s]
   assert per_head in cpu and whole not in cpu
   assert whole in cuda and per_head not in cuda
+
+
+@pytest.mark.parametrize("impl", ["xla_dense", "xla_chunked"])
+def test_logits_that_fit_in_cache_run_whole_on_cpu(impl):
+  """[2, 4 heads, 64, 64] float32 logits are 128 KiB, under `CACHE_BYTES`: no loop, the whole call."""
+  cpu = _lowered_text(impl, "cpu", 64)
+  assert "tensor<2x2x2x64x64xf32>" in cpu and "tensor<1x1x2x64x64xf32>" not in cpu

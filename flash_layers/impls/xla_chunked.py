@@ -347,7 +347,8 @@ class XlaChunked:
                              args.kv_segment_ids, args.q_offset, args.kv_offset)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args)
+    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args,
+                                  tile=self.chunk_shape(request))
 
   def _attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, d = q.shape
@@ -365,7 +366,8 @@ class XlaChunked:
     alone (each visited chunk's probabilities from lse), no forward."""
     return cpu_loop.looped_on_cpu(
         lambda q, k, v, d_out, lse, delta, **kw: self._backward(q, k, v, lse, delta, d_out, **kw),
-        q, k, v, request=request, args=args, q_like=(d_out,), stats=(lse, delta))
+        q, k, v, request=request, args=args, tile=self.chunk_shape(request), q_like=(d_out,),
+        stats=(lse, delta))
 
   def _backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     b, t, h, d = q.shape

@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import dropout, masks
+from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
 
@@ -236,7 +237,7 @@ class XlaDense:
     return "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    if q.shape[0] * k.shape[2] == 1:
+    if not cpu_loop.worth_looping(q, k, q.shape[1], k.shape[1]):
       return self._attend(q, k, v, request=request, args=args)
     return jax.lax.platform_dependent(
         q, k, v, cpu=lambda q, k, v: self._attend(q, k, v, request=request, args=args, looped=True),
