@@ -112,32 +112,41 @@ def per_row_and_head(fn: Callable, q, k, v, *, request: Request, args: Args,
   if args.alibi_slopes is not None:
     ops["alibi_slopes"] = args.alibi_slopes.reshape(1, kvh, g)
 
-  by_row = {n: x for n, x in ops.items() if x.shape[0] == b and b > 1}
-  shared_rows = {n: x[0] for n, x in ops.items() if n not in by_row}
+  def head(x):
+    batched = {n: x[n][None] if n in x else None for n in ("q_seg", "kv_seg", "dense_mask", "bias")}
+    step_args = dataclasses.replace(
+        args, q_segment_ids=batched["q_seg"], kv_segment_ids=batched["kv_seg"],
+        dense_mask=batched["dense_mask"], bias=batched["bias"], alibi_slopes=x.get("alibi_slopes"),
+        batch_offset=args.batch_offset + x["rows"], head_offset=args.head_offset + x["heads"] * g)
+    extra = [x[f"q_like{i}"][None] for i in range(len(q_like))]
+    extra += [x[f"stats{i}"][None] for i in range(len(stats))]
+    return fn(x["q"][None], x["k"][None], x["v"][None], *extra, request=local, args=step_args)
+
+  out = map_rows_and_heads(head, ops, b, kvh)
+  # Each result [b, kvh, 1, ...]: reassemble by its shape.
+  return tuple(_assemble(y[:, :, 0], b, h) for y in out)
+
+
+def map_rows_and_heads(step: Callable, operands: dict, b: int, kvh: int):
+  """``step(operands of one batch row and kv head)`` under two `lax.map`s, results stacked [b, kvh, ...].
+
+  Every operand is [B', KVH', ...] with B' in (1, b) and KVH' in (1, kvh): an axis of the full size
+  travels with its map (`xs`, so gradients are stacked), a size-1 one is shared (closed over)."""
+  by_row = {n: x for n, x in operands.items() if x.shape[0] == b and b > 1}
+  shared_rows = {n: x[0] for n, x in operands.items() if n not in by_row}
 
   def row(row_xs):
     here = {**shared_rows, **row_xs}  # every operand now [KVH', ...]
     by_head = {n: x for n, x in here.items() if x.shape[0] == kvh and kvh > 1}
     shared_heads = {n: x[0] for n, x in here.items() if n not in by_head}
-
-    def head(head_xs):
-      x = {**shared_heads, **head_xs}
-      batched = {n: x[n][None] if n in x else None for n in ("q_seg", "kv_seg", "dense_mask", "bias")}
-      step_args = dataclasses.replace(
-          args, q_segment_ids=batched["q_seg"], kv_segment_ids=batched["kv_seg"],
-          dense_mask=batched["dense_mask"], bias=batched["bias"], alibi_slopes=x.get("alibi_slopes"),
-          batch_offset=args.batch_offset + x["rows"], head_offset=args.head_offset + x["heads"] * g)
-      extra = [x[f"q_like{i}"][None] for i in range(len(q_like))]
-      extra += [x[f"stats{i}"][None] for i in range(len(stats))]
-      return fn(x["q"][None], x["k"][None], x["v"][None], *extra, request=local, args=step_args)
-
+    one = lambda head_xs: step({**shared_heads, **head_xs})  # noqa: E731
     if not by_head:
-      return jax.tree.map(lambda y: y[None], head({}))
-    return jax.lax.map(head, by_head)
+      return jax.tree.map(lambda y: y[None], one({}))
+    return jax.lax.map(one, by_head)
 
-  out = jax.lax.map(row, by_row) if by_row else jax.tree.map(lambda y: y[None], row({}))
-  # Each result [b, kvh, 1, ...]: reassemble by its shape.
-  return tuple(_assemble(y[:, :, 0], b, h) for y in out)
+  if not by_row:
+    return jax.tree.map(lambda y: y[None], row({}))
+  return jax.lax.map(row, by_row)
 
 
 def _assemble(y, b: int, h: int):

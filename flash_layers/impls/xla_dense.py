@@ -92,23 +92,13 @@ def _dense_looped(st, q, k, v, mask, extra, keep):
   operands = {"q": q, "k": k, "v": v, "mask": mask, "extra": extra, "keep": keep}
   # Each operand with its batch and kv-head axes first ([B', KVH', ...], B' and KVH' the size or 1).
   lead = {n: jnp.moveaxis(x, _KV_AXIS[n], 1) for n, x in operands.items() if x is not None}
-  by_row = {n: x for n, x in lead.items() if x.shape[0] == b}
-  rows_shared = {n: x[0] for n, x in lead.items() if n not in by_row}
 
-  def row(row_xs):
-    here = {**rows_shared, **row_xs}
-    by_head = {n: x for n, x in here.items() if x.shape[0] == kvh}
-    heads_shared = {n: x[0] for n, x in here.items() if n not in by_head}
+  def head(x):
+    one = {n: None if n not in x else jnp.expand_dims(x[n], (0, _KV_AXIS[n])) for n in operands}
+    out, lse = _dense_fwd(st, **one)[0]
+    return {"out": out, "lse": lse}
 
-    def head(head_xs):
-      x = {**heads_shared, **head_xs}
-      one = {n: None if n not in x else jnp.expand_dims(x[n], (0, _KV_AXIS[n])) for n in operands}
-      out, lse = _dense_fwd(st, **one)[0]
-      return {"out": out, "lse": lse}
-
-    return jax.lax.map(head, by_head)
-
-  stacked = jax.lax.map(row, by_row)  # each [b, kvh, *step result]: batch and kv-head axes of size 1
+  stacked = cpu_loop.map_rows_and_heads(head, lead, b, kvh)  # [b, kvh, *step result], its b/kvh axes 1
   whole = {n: jnp.moveaxis(jnp.squeeze(y, (2, 2 + _KV_AXIS[n])), 1, _KV_AXIS[n]) for n, y in stacked.items()}
   return whole["out"], whole["lse"]
 
