@@ -246,6 +246,110 @@ def test_attention_dropout_resolves_from_the_checkpoint(dataset):
   config_lib.validate(config, num_devices=4)
 
 
+# ----------------------------------------------------------------------------
+# Attention dropout: the resolved rate reaches every layer, 0.0 included
+# ----------------------------------------------------------------------------
+
+MODERNBERT_TINY = REPO / "tests" / "golden" / "hf_tiny" / "modernbert"
+
+
+def _quickstart() -> ml_collections.ConfigDict:
+  sys.path.insert(0, str(REPO))
+  try:
+    from configs import quickstart
+  finally:
+    sys.path.remove(str(REPO))
+  return quickstart.get_config()
+
+
+@pytest.fixture
+def traced_dropout_rates(monkeypatch) -> list[float]:
+  """The dropout rate of every attention call traced while the fixture is live (read by the
+  dispatcher, whatever impl runs)."""
+  from flash_layers import dispatch
+  rates, run = [], dispatch._run
+
+  def recording_run(name, query, key, value, request, args):
+    rates.append(request.dropout_rate)
+    return run(name, query, key, value, request, args)
+
+  monkeypatch.setattr(dispatch, "_run", recording_run)
+  return rates
+
+
+def _trace_training_forward(config, rates: list[float], num_labels=3) -> None:
+  """Trace (no compute) one training-mode forward of the model the config builds; `rates` then holds
+  only that forward's calls (one per layer and platform branch of "auto")."""
+  from flash_layers.training import task as task_lib
+  model, _ = task_lib.build_model(config, num_labels, vocab_size=None)
+  ids = jnp.ones((2, 16), jnp.int32)
+  params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, ids, method=model.classify))
+  rates.clear()
+  jax.eval_shape(lambda p: model.apply(p, ids, ids, deterministic=False, method=model.classify,
+                                       rngs={"dropout": jax.random.key(1)}), params)
+
+
+@pytest.mark.parametrize("setting,expected", [(None, 0.1), (0.0, 0.0), (0.2, 0.2)])
+def test_every_layer_receives_the_resolved_attention_dropout(traced_dropout_rates, setting, expected):
+  config = _quickstart()  # MiniLM: attention_probs_dropout_prob 0.1 in its config.json
+  config.model.max_len = 16
+  config.model.attention_dropout = setting
+  _trace_training_forward(config, traced_dropout_rates)
+  assert len(traced_dropout_rates) >= 6 and set(traced_dropout_rates) == {expected}  # MiniLM: 6 layers
+
+
+@pytest.mark.parametrize("setting", [None, 0.0])
+def test_modernbert_takes_no_attention_dropout(traced_dropout_rates, setting):
+  config = _quickstart()
+  config.model.pretrained = str(MODERNBERT_TINY)
+  config.model.max_len = 16
+  config.model.attention_dropout = setting
+  _trace_training_forward(config, traced_dropout_rates)
+  assert traced_dropout_rates and set(traced_dropout_rates) == {0.0}
+
+
+def test_modernbert_refuses_a_nonzero_attention_dropout(dataset):
+  from flash_layers.training import task as task_lib
+  config = _quickstart()
+  config.model.pretrained = str(MODERNBERT_TINY)
+  config.model.attention_dropout = 0.2
+  with pytest.raises(config_lib.ConfigError, match="attention_dropout: is 0.2 but .* ModernBERT"):
+    task_lib.build_model(config, 3, vocab_size=None)
+  config.data.dataset = str(dataset)
+  with pytest.raises(config_lib.ConfigError, match="ModernBERT checkpoint, which has no attention-prob"):
+    config_lib.validate(config, num_devices=4)
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla_native"])
+def test_quickstart_step_with_attention_dropout_zero_applies_none(traced_dropout_rates, impl, tmp_path):
+  """One real training step of the quickstart model (MiniLM, 32 tokens) with attention dropout off:
+  no traced attention call carries dropout, and xla_native (which has none) trains."""
+  from flash_layers.training import loop
+  config = _quickstart()
+  config.model.impl = impl
+  config.model.attention_dropout = 0.0
+  config.model.max_len = 32
+  config.train.num_steps, config.train.batch_size, config.train.warmup_steps = 1, 2, 0
+  config.train.log_every, config.train.eval_max_batches, config.data.eval_batch_size = 1, 1, 2
+  config.checkpoint.every_steps = 1000
+  result = loop.train_and_evaluate(config, str(tmp_path))
+  assert result["step"] == 1 and np.isfinite(result["dev"]["loss"])
+  assert len(traced_dropout_rates) >= 12  # the train step's six layers, then the dev eval's
+  assert set(traced_dropout_rates) == {0.0}
+
+
+@pytest.mark.parametrize("value", [0, -1])
+def test_eval_max_batches_is_none_or_positive(dataset, value):
+  from flash_layers.training import task as task_lib
+  config = _tiny(dataset)
+  config.train.eval_max_batches = value
+  with pytest.raises(config_lib.ConfigError, match="config.train.eval_max_batches: must be an integer > 0"):
+    config_lib.validate(config, num_devices=4)
+  records = list(range(10))
+  assert task_lib.sample_documents(records, None, 4) == records
+  assert len(task_lib.sample_documents(records, 1, 4)) == 4
+
+
 def test_train_py_rejects_bad_config_before_compiling(dataset, tmp_path):
   result = _run("train.py", tmp_path, dataset, "--config.train.learning_rate=-0.1", check=False)
   assert result.returncode == 2

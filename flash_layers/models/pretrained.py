@@ -115,15 +115,21 @@ def _set(tree, path, value):
   tree[path[-1]] = value
 
 
+def has_attention_dropout(path: str | pathlib.Path) -> bool:
+  """Whether the model built from this checkpoint takes an attention-probability dropout rate
+  (BERT, RoBERTa, XLM-RoBERTa do; ModernBERT does not)."""
+  config = read_config(resolve_path(path))
+  return _family(config.get("model_type", "bert")) is not hf_modernbert
+
+
 def attention_dropout_of(path: str | pathlib.Path) -> float:
   """A BERT-family checkpoint's attention_probs_dropout_prob (BertConfig's default 0.1 if absent).
 
   0.0 for ModernBERT, whose model here has no attention-probability dropout.
   """
-  config = read_config(resolve_path(path))
-  if _family(config.get("model_type", "bert")) is hf_modernbert:
+  if not has_attention_dropout(path):
     return 0.0
-  return float(config.get("attention_probs_dropout_prob", 0.1))
+  return float(read_config(resolve_path(path)).get("attention_probs_dropout_prob", 0.1))
 
 
 def _family(model_type: str):

@@ -137,7 +137,7 @@ def default_config() -> ml_collections.ConfigDict:
   t.log_every = 10
   # Dev evaluation every eval_every steps and at the end (0 = only at the end).
   t.eval_every = 200
-  # Cap on dev batches per evaluation (None = the whole dev split).
+  # Cap on dev batches per evaluation (None = the whole dev split; else >= 1).
   t.eval_max_batches = placeholder(int)
   # Per-device peak FLOP/s for the MFU estimate; None = look it up by device kind.
   t.peak_flops_per_device = placeholder(float)
@@ -242,6 +242,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _positive_int(config, "train.log_every")
   _positive_int(config, "train.eval_every", allow_zero=True)
   _positive_int(config, "train.warmup_steps", allow_zero=True)
+  _optional_positive_int(config, "train.eval_max_batches")
   if not (isinstance(t.learning_rate, (int, float)) and t.learning_rate > 0):
     _fail("train.learning_rate", f"must be a number > 0; got {t.learning_rate!r}")
   if t.end_learning_rate < 0 or t.end_learning_rate > t.learning_rate:
@@ -264,7 +265,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   if check_data and m.pretrained:
     _check_position_table(m)
   if check_data or not m.pretrained:  # (a pretrained rate is read from the checkpoint)
-    _check_attention_dropout(m, attention_dropout(config))
+    check_attention_dropout(m, attention_dropout(config))
 
   _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
   _choice(d.window_aggregation, "data.window_aggregation", data_lib.AGGREGATIONS)
@@ -299,7 +300,11 @@ def attention_dropout(config: ml_collections.ConfigDict) -> float:
   return float(m.dropout_rate)
 
 
-def _check_attention_dropout(m, rate: float):
+def check_attention_dropout(m, rate: float):
+  """Refuse a resolved attention-dropout `rate` the model or impl of config.model `m` cannot apply."""
+  if m.attention_dropout and m.pretrained and not models.pretrained.has_attention_dropout(m.pretrained):
+    _fail("model.attention_dropout", f"is {m.attention_dropout} but {m.pretrained!r} is a ModernBERT "
+          "checkpoint, which has no attention-probability dropout; use None or 0.0")
   if rate and m.impl == "xla_native":
     _fail("model.attention_dropout", f"is {rate} (None = the checkpoint's value) but model.impl="
           "'xla_native' has no attention dropout; set model.attention_dropout=0.0 or another impl")

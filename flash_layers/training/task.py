@@ -143,7 +143,7 @@ def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None) ->
 def sample_documents(records, max_batches: int | None, global_batch: int) -> list[int]:
   """Which documents a capped evaluation scores: a seeded sample of about max_batches batches'
   worth (all of them without a cap), so a capped dev eval still sees every class."""
-  if not max_batches or max_batches * global_batch >= len(records):
+  if max_batches is None or max_batches * global_batch >= len(records):
     return list(range(len(records)))
   order = np.random.default_rng(EVAL_SHUFFLE_SEED).permutation(len(records))
   return sorted(order[:max_batches * global_batch].tolist())
@@ -162,8 +162,11 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
                 remat=m.remat)
   if m.attention_window is not None:  # only BERT/RoBERTa take these (ModernBERT: its config's window)
     common.update(attention_window=m.attention_window, global_tokens=m.global_tokens)
+  # The resolved rate goes to every model that has the field, 0.0 included (0.0 means off, not "the
+  # checkpoint's"). ModernBERT has no attention-probability dropout: validation refuses a non-zero rate.
   attention_dropout = config_lib.attention_dropout(config)
-  if attention_dropout:  # (ModernBert has no such field: asking it for one is an unknown override)
+  config_lib.check_attention_dropout(m, attention_dropout)
+  if not m.pretrained or models.pretrained.has_attention_dropout(m.pretrained):
     common["attention_dropout_rate"] = attention_dropout
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
