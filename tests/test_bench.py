@@ -163,3 +163,13 @@ def test_cpu_dense_forward_pass_and_whole_call_variants(tmp_path):
       (v, p) for v in ("xla_chunked", "xla_chunked@whole", "xla_dense@whole") for p in ("fwd", "fwd+bwd")}
   with pytest.raises(SystemExit):
     cpu_dense.main(["--passes", "bwd"])
+
+
+def test_quickstart_benchmark_runs_readme_command_one_in_stages():
+  from benchmarks import quickstart
+  command = quickstart.readme_command()
+  assert "train.py --config configs/quickstart.py" in command and quickstart.WORKDIR in command
+  names = [name for name, _ in quickstart.stages(command)]
+  assert names == ["install", "train", "eval"]
+  install = dict(quickstart.stages(command))["install"]
+  assert install.count("pip install") == 3
