@@ -11,7 +11,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from flash_layers.errors import UserError
-from flash_layers.training import cli, distributed
+from flash_layers.training import cli, compile_cache, distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "The config the model was trained with.", lock_config=True)
@@ -27,6 +27,7 @@ def main(argv):
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
   cli.default_to_cpu_without_accelerator()
+  compile_cache.enable(FLAGS.config.get("compilation_cache_dir"))  # None: the default
   distributed.initialize_from_flags()
   from flash_layers.training import evaluate
   evaluate.evaluate_checkpoint(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint,

@@ -13,7 +13,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from flash_layers.errors import UserError
-from flash_layers.training import cli, distributed
+from flash_layers.training import cli, compile_cache, distributed
 
 FLAGS = flags.FLAGS
 config_flags.DEFINE_config_file("config", None, "Training config file (configs/*.py).", lock_config=True)
@@ -34,6 +34,7 @@ def main(argv):
     return
   if not FLAGS.workdir:
     raise UserError("--workdir is required (unless --aot_topology)")
+  compile_cache.enable(FLAGS.config.get("compilation_cache_dir"))  # None: the default
   distributed.initialize_from_flags()
   from flash_layers.training import loop
   loop.train_and_evaluate(FLAGS.config, FLAGS.workdir)

@@ -39,6 +39,7 @@ import optax
 
 import flash_layers as fl
 from benchmarks import harness
+from flash_layers.training import compile_cache
 
 STOCK = "flax"  # the baseline variant's name in the output
 CONFIGS = ((512, 4), (2048, 1), (8192, 1))  # (tokens per row, batch): batch 1 for long rows
@@ -194,6 +195,8 @@ def run_one(variant: str, seq_len: int, batch: int, *, steps: int, mem_limit: in
 def _subprocess_row(variant, seq_len, batch, args) -> dict[str, Any]:
   cmd = [sys.executable, "-m", "benchmarks.e2e", "--one", variant, str(seq_len), str(batch),
          "--steps", str(args.steps), "--mem-limit-gb", str(args.mem_limit_gb)]
+  if args.compilation_cache_dir is not None:
+    cmd.append(f"--compilation-cache-dir={args.compilation_cache_dir}")
   proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
   for line in reversed(proc.stdout.splitlines()):
     if line.startswith("{"):
@@ -255,11 +258,13 @@ def parse_args(argv=None):
                       "available, at most 16)")
   p.add_argument("--json", metavar="PATH", help="write the rows as a JSON list")
   p.add_argument("--one", nargs=3, metavar=("VARIANT", "LEN", "BATCH"), help=argparse.SUPPRESS)
+  compile_cache.add_argument(p)
   return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  compile_cache.enable(args.compilation_cache_dir)
   mem_limit = int(args.mem_limit_gb * 2**30)
   if args.one:
     variant, seq_len, batch = args.one[0], int(args.one[1]), int(args.one[2])

@@ -2,6 +2,7 @@
 
     python -m benchmarks.eval_cost --json benchmarks/results/eval-cost-cpu.json
     python -m benchmarks.eval_cost --max-lens 512 --batch-size 4      # quicker
+    python -m benchmarks.eval_cost --e2e --json benchmarks/results/eval-cost-e2e-cpu.json
 
 The model is all-MiniLM-L6-v2's shape (hidden 384, 12 heads, MLP 1,536, `--layers` of 6; random
 weights: the cost does not depend on them) with a 5-class head and a position table of max_len rows,
@@ -20,13 +21,32 @@ after round (`--rounds`, 3), every case evaluates the whole split once, so a cha
 machine's load falls on all cases alike; the median round counts (every round is in the JSON).
 Also reported: the real-token fraction of the evaluated rows, the number of batches and of
 distinct row lengths.
+
+`--e2e` measures what a user runs instead: `python eval.py --config configs/quickstart.py` (MiniLM, 6
+layers, pooling "mean", eval batch 16 rows, packed) with --config.model.max_len at each length, as a
+child process, timed by its CPU time (getrusage(RUSAGE_CHILDREN): every thread, compiles, imports, data
+and checkpoint loading included) and wall time. Each length gets a checkpoint first (`--e2e-workdir`,
+made once by train.py: one step, batch 1; its weights do not change the cost). Per round and length:
+a *cold* run with an empty compilation cache (config.compilation_cache_dir), then a *warm* run with the
+cache the cold run filled; rounds interleave the lengths (`--rounds`). Every run is kept with the load
+average before and after it; the ratios are of the medians (and per round). The warm run must score
+exactly what the cold run did (eval_metrics.json), or the benchmark fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import os
+import pathlib
+import platform
+import resource
+import shutil
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -36,6 +56,7 @@ import numpy as np
 from flash_layers import data, models
 from flash_layers.data import eval_plan
 from flash_layers.parallel.mesh import make_mesh
+from flash_layers.training import compile_cache
 from flash_layers.training import evaluate as evaluate_lib
 from flash_layers.training import steps as steps_lib
 
@@ -97,7 +118,15 @@ def main(argv=None):
   p.add_argument("--rounds", type=int, default=3,
                  help="timed passes per case, interleaved; the median counts")
   p.add_argument("--json", metavar="PATH")
+  p.add_argument("--e2e", action="store_true", help="time eval.py end to end, cold and warm cache (above)")
+  p.add_argument("--e2e-workdir", default="runs/eval_cost",
+                 help="--e2e: where the checkpoints (one per length) are made once and kept")
+  p.add_argument("--e2e-config", default="configs/quickstart.py")
+  compile_cache.add_argument(p)
   args = p.parse_args(argv)
+  if args.e2e:  # each eval.py run gets a cache directory of its own (above)
+    return e2e_main(args)
+  compile_cache.enable(args.compilation_cache_dir)
   records = data.load("bbc_news", split="test")
   texts, labels = [r["text"] for r in records], [r["label"] for r in records]
   lengths = sorted(int(x) for x in args.max_lens.split(","))
@@ -129,6 +158,107 @@ def main(argv=None):
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump({"device": jax.devices()[0].device_kind, "cases": rows, "summary": summary}, f, indent=1)
+
+
+# ----------------------------------------------------------------------------
+# End to end: eval.py as a user runs it
+# ----------------------------------------------------------------------------
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+SCORE_FIELDS = ("accuracy", "macro_f1", "loss", "num_examples", "confusion_matrix")
+
+
+def _children_cpu() -> float:
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
+def _run_timed(command: list[str]) -> dict:
+  """Run `command` from the repository root; its CPU and wall seconds, and the load around it."""
+  load_before, cpu0, wall0 = os.getloadavg()[0], _children_cpu(), time.perf_counter()
+  proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+  out = {"cpu_s": round(_children_cpu() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),
+         "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
+  if proc.returncode:
+    raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
+  return out
+
+
+def _length_flags(args, max_len: int) -> list[str]:
+  return ["--config", args.e2e_config, f"--config.model.max_len={max_len}"]
+
+
+def make_checkpoint(args, max_len: int) -> pathlib.Path:
+  """A workdir holding a checkpoint at max_len (train.py, one step of batch 1), made once."""
+  workdir = pathlib.Path(args.e2e_workdir) / f"max_len_{max_len}"
+  if not (workdir / "checkpoints").is_dir():
+    shutil.rmtree(workdir, ignore_errors=True)
+    _run_timed([sys.executable, "train.py", *_length_flags(args, max_len), f"--workdir={workdir}",
+                "--config.train.num_steps=1", "--config.train.batch_size=1", "--config.train.warmup_steps=0",
+                "--config.train.eval_max_batches=1", "--config.compilation_cache_dir="])
+  return workdir
+
+
+def _cache_entries(directory: pathlib.Path) -> int:
+  return sum(1 for p in directory.iterdir() if not p.name.endswith("-atime")) if directory.is_dir() else 0
+
+
+def eval_run(args, max_len: int, workdir: pathlib.Path, cache: pathlib.Path) -> tuple[dict, dict]:
+  """(timing record, eval_metrics.json) of one eval.py run with `cache` as its compilation cache."""
+  before = _cache_entries(cache)
+  record = _run_timed([sys.executable, "eval.py", *_length_flags(args, max_len), f"--workdir={workdir}",
+                       f"--config.compilation_cache_dir={cache}"])
+  record.update(cache_entries_before=before, cache_entries_after=_cache_entries(cache))
+  with open(workdir / "eval_metrics.json", encoding="utf-8") as f:
+    return record, json.load(f)
+
+
+def e2e_main(args) -> dict:
+  lengths = sorted(int(x) for x in args.max_lens.split(","))
+  workdirs = {n: make_checkpoint(args, n) for n in lengths}
+  runs = {n: {"cold": [], "warm": []} for n in lengths}
+  scores = {}
+  scratch = pathlib.Path(tempfile.mkdtemp(prefix="eval-cost-cache-"))
+  try:
+    for r in range(args.rounds):
+      # Alternate which length goes first, so a drift in the machine's load falls on both alike.
+      for n in (lengths if r % 2 == 0 else lengths[::-1]):
+        cache = scratch / f"round{r}-{n}"
+        for kind in ("cold", "warm"):
+          record, metrics = eval_run(args, n, workdirs[n], cache)
+          score = {k: metrics[k] for k in SCORE_FIELDS}
+          if scores.setdefault(n, score) != score:
+            raise AssertionError(f"max_len {n}, round {r}, {kind}: scored {score}, before {scores[n]}")
+          runs[n][kind].append(record)
+          print(json.dumps({"round": r, "max_len": n, "cache": kind, **record}), flush=True)
+  finally:
+    shutil.rmtree(scratch, ignore_errors=True)
+  cases = []
+  for n in lengths:
+    for kind in ("cold", "warm"):
+      cpu = [x["cpu_s"] for x in runs[n][kind]]
+      wall = [x["wall_s"] for x in runs[n][kind]]
+      cases.append({"max_len": n, "cache": kind, "cpu_s": round(statistics.median(cpu), 2),
+                    "wall_s": round(statistics.median(wall), 2), "runs": runs[n][kind]})
+  summary = {}
+  if len(lengths) >= 2:
+    lo, hi = lengths[0], lengths[-1]
+    for kind in ("cold", "warm"):
+      a, b = (next(c for c in cases if c["max_len"] == n and c["cache"] == kind) for n in (hi, lo))
+      summary[f"ratio_cpu_{kind}"] = round(a["cpu_s"] / b["cpu_s"], 3)
+      summary[f"ratio_cpu_{kind}_rounds"] = [round(x["cpu_s"] / y["cpu_s"], 3) for x, y in zip(
+          a["runs"], b["runs"], strict=True)]
+    print(json.dumps(summary), flush=True)
+  result = {"benchmark": "eval.py end to end", "date": datetime.date.today().isoformat(),
+            "hardware": f"{os.cpu_count()}-core CPU ({platform.machine()}), CPU only",
+            "command": f"python eval.py --config {args.e2e_config} --config.model.max_len=N "
+                       "--workdir=... --config.compilation_cache_dir=...",
+            "rounds": args.rounds, "scores": {str(n): s for n, s in scores.items()},
+            "cases": cases, "summary": summary}
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=1)
+  return result
 
 
 if __name__ == "__main__":

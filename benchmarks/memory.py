@@ -43,6 +43,8 @@ import time
 import jax
 import numpy as np
 
+from flash_layers.training import compile_cache
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 HEAD = (0.3, 0.4)  # the first window after warm-up, as fractions of the run
 TAIL = 0.9  # the last window: from 90% of the run to its end
@@ -266,11 +268,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                  help="largest allowed resident-memory growth after 30%% of the run (default 0.05)")
   p.add_argument("--json", metavar="PATH", help="write the samples and the verdict here")
   p.add_argument("--plot", metavar="PNG", help="plot resident memory and live arrays against steps")
+  compile_cache.add_argument(p)
   return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  compile_cache.enable(args.compilation_cache_dir)
   result = run(args)
   if args.json:
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)

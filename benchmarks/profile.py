@@ -33,6 +33,7 @@ import optax
 
 import flash_layers as fl
 from benchmarks import cases, e2e
+from flash_layers.training import compile_cache
 
 # What our code is called in a trace: named scopes and pallas_call names.
 NAME_PATTERN = re.compile(rb"flash_layers[._][a-z_]+|flash_pallas_gpu_[a-z_]+")
@@ -104,7 +105,9 @@ def main(argv=None) -> int:
   p.add_argument("--mask", default="causal", choices=cases.MASK_KINDS,
                  help="mask of the attention-alone trace (the encoder uses its segment ids)")
   p.add_argument("--skip-train", action="store_true", help="trace attention alone only")
+  compile_cache.add_argument(p)
   args = p.parse_args(argv)
+  compile_cache.enable(args.compilation_cache_dir)
   traces = {"attention": lambda d: trace_attention(d, impl=args.impl, seq_len=args.seq_len,
                                                    mask=args.mask)}
   if not args.skip_train:

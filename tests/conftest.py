@@ -1,6 +1,9 @@
-"""Test-wide settings: CPU only, quiet libtpu, float64 references available."""
+"""Test-wide settings: CPU only, quiet libtpu, float64 references available, caches of our own."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 # Set before jax is imported: tests run on the CPU; libtpu (installed for TPU
 # ahead-of-time compiles) must not try to claim a TPU or print warnings.
@@ -9,3 +12,10 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # pytest -n 2 runs tests in two processes; each may load libtpu for AOT compiles.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+# Hermetic caches: what train.py, eval.py and the benchmarks started by tests write to the user's
+# cache (JAX's compilation cache, generated datasets) goes to a directory of this test process,
+# deleted at exit, never to ~/.cache (training.compile_cache.cache_root reads this variable).
+_CACHE = tempfile.mkdtemp(prefix="flash_layers-test-cache-")
+os.environ["FLASH_LAYERS_CACHE"] = _CACHE
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)

@@ -17,6 +17,7 @@ from flash_layers import models
 from flash_layers.errors import UserError
 from flash_layers.impls import IMPLS
 from flash_layers.parallel.mesh import AXES, resolve_mesh, slice_count
+from flash_layers.training import compile_cache
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -167,6 +168,12 @@ def default_config() -> ml_collections.ConfigDict:
   # starting at step profile_start (after compilation).
   c.profile_steps = 0
   c.profile_start = 3
+
+  # JAX's persistent compilation cache: compiled programs are kept here and a later run
+  # (train.py, eval.py) loads them instead of compiling again. Default: under the user's cache
+  # ($FLASH_LAYERS_CACHE, else $XDG_CACHE_HOME/flash_layers, else ~/.cache/flash_layers, then
+  # jax_compilation_cache; training.compile_cache). "" = no cache.
+  c.compilation_cache_dir = compile_cache.default_dir()
   return c
 
 
@@ -261,6 +268,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _positive_int(config, "checkpoint.max_to_keep")
   _choice(k.best_metric, "checkpoint.best_metric", BEST_METRICS)
   _positive_int(config, "profile_steps", allow_zero=True)
+  if not isinstance(config.get("compilation_cache_dir", ""), str):
+    _fail("compilation_cache_dir", f"must be a directory or '' (no cache); "
+          f"got {config.compilation_cache_dir!r}")
 
   if check_data and m.pretrained:
     _check_position_table(m)

@@ -1,0 +1,101 @@
+"""training.compile_cache: where compiled programs are kept, and that a second train.py run loads them.
+
+The end-to-end case runs train.py twice as a subprocess (configs/tiny.py, two steps) with the
+default cache directory moved by FLASH_LAYERS_CACHE into tmp_path: the first run writes entries,
+the second compiles nothing: jax's own log (JAX_DEBUG_LOG_MODULES) reports a cache hit for every
+program the first run missed, and the cache's files are as the first run left them.
+"""
+
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from flash_layers.errors import UserError
+from flash_layers.training import compile_cache
+from flash_layers.training import config as config_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+def test_default_dir_follows_the_users_cache(monkeypatch, tmp_path):
+  monkeypatch.delenv("FLASH_LAYERS_CACHE", raising=False)
+  monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  assert compile_cache.default_dir() == str(tmp_path / "home/.cache/flash_layers/jax_compilation_cache")
+  monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: only absolute paths count
+  assert compile_cache.default_dir() == str(tmp_path / "home/.cache/flash_layers/jax_compilation_cache")
+  monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+  assert compile_cache.default_dir() == str(tmp_path / "xdg/flash_layers/jax_compilation_cache")
+  assert config_lib.default_config().compilation_cache_dir == compile_cache.default_dir()
+  monkeypatch.setenv("FLASH_LAYERS_CACHE", str(tmp_path / "ours"))
+  assert compile_cache.default_dir() == str(tmp_path / "ours/jax_compilation_cache")
+
+
+def test_enable_sets_jax_options_and_empty_turns_it_off(tmp_path):
+  options = ("jax_enable_compilation_cache", "jax_compilation_cache_dir",
+             "jax_persistent_cache_min_compile_time_secs", "jax_persistent_cache_min_entry_size_bytes")
+  saved = {name: getattr(jax.config, name) for name in options}
+  try:
+    used = compile_cache.enable(tmp_path / "c")
+    assert used == str(tmp_path / "c") and os.path.isdir(used)
+    assert jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir == used
+    # every program is kept, however quickly it compiled and however small it is
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0.0
+    assert jax.config.jax_persistent_cache_min_entry_size_bytes == -1
+    assert compile_cache.enable("") is None and not jax.config.jax_enable_compilation_cache
+  finally:
+    for name, value in saved.items():
+      jax.config.update(name, value)
+
+
+def test_unusable_directory_is_a_user_error_naming_the_field(tmp_path):
+  blocker = tmp_path / "a_file"
+  blocker.write_text("")
+  with pytest.raises(UserError, match=r"config.compilation_cache_dir: cannot create .*a_file/cache"):
+    compile_cache.enable(blocker / "cache")
+  config = config_lib.default_config()
+  config.compilation_cache_dir = None
+  config.data.dataset = "bbc_news"
+  with pytest.raises(config_lib.ConfigError, match="config.compilation_cache_dir: must be a directory"):
+    config_lib.validate(config, num_devices=1, check_data=False)
+
+
+def _entries(cache: pathlib.Path) -> dict[str, int]:
+  """Cache file -> its mtime (ns)."""
+  return {p.name: p.stat().st_mtime_ns for p in cache.iterdir()}
+
+
+def test_second_train_py_run_loads_every_program_from_the_cache(tmp_path):
+  rng = random.Random(0)
+  data = tmp_path / "data.jsonl"
+  words = ["ab", "cd", "ef", "gh"]
+  rows = [{"text": " ".join(rng.choice(words) for _ in range(6)), "label": "xy"[i % 2]} for i in range(24)]
+  data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+  env = dict(os.environ, FLASH_LAYERS_CACHE=str(tmp_path / "user_cache"), PYTHONPATH=str(REPO),
+             JAX_DEBUG_LOG_MODULES="jax._src.compiler")
+  cache = tmp_path / "user_cache" / "jax_compilation_cache"
+
+  def train(workdir: str) -> tuple[int, int]:
+    """(cache misses, cache hits) of one run."""
+    result = subprocess.run(
+      [sys.executable, str(REPO / "train.py"), "--config", str(REPO / "configs/tiny.py"),
+       f"--config.data.dataset={data}", f"--workdir={tmp_path / workdir}", "--config.model.max_len=16",
+       "--config.train.num_steps=2", "--config.train.eval_every=0", "--config.train.log_every=1",
+       "--config.checkpoint.every_steps=2"],
+      env=env, cwd=REPO, check=True, capture_output=True, text=True, timeout=300)
+    log = result.stdout + result.stderr
+    return log.count("PERSISTENT COMPILATION CACHE MISS"), log.count("Persistent compilation cache hit")
+
+  misses, hits = train("first")
+  written = _entries(cache)
+  # Every program is written, however quickly it compiled (the train step, the eval step, state
+  # creation, and small ones); jax's default would have kept none of this tiny model's.
+  assert misses >= 3 and hits == 0 and len(written) == misses
+  assert train("second") == (0, misses)  # a fresh workdir: the same programs, each loaded
+  assert _entries(cache) == written  # nothing written again
