@@ -326,12 +326,15 @@ def _by_platform(impl: str, request: Request, run, query, key, value):
   """``run(name, q, k, v)`` with the impl `impl` resolves to. For "auto", whose choice may differ
   by platform, the choice follows the platform the computation is lowered for, so that an AOT
   compile for TPU from a CPU host runs the TPU choice."""
-  here = lowering.default_platform()
+  only = lowering.only_platform()
+  here = only or lowering.default_platform()
   if impl != AUTO:
     resolve(impl, request, here)
     return run(impl, query, key, value)
   name, reason = resolve(AUTO, request, here)
   _log_auto_choice(request, here, name, reason)
+  if only is not None:  # lowered for that platform alone (lowering.lowered_only_for): one branch
+    return run(name, query, key, value)
   choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
   if len(set(choices.values())) == 1:
     return run(name, query, key, value)

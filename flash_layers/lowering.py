@@ -5,6 +5,12 @@ Kernel families are chosen by the platform the computation is *lowered* for
 ahead-of-time compile for TPU or CUDA from a CPU host must get the real kernels.
 `interpret_as("tpu" | "gpu")` overrides that for testing: Pallas kernels of the
 named family run in interpret mode, whatever the machine.
+
+Tracing every platform's branch has a price: "auto" attention traces the TPU and GPU kernels
+too, which on a CPU was most of an encoder's trace time (per compiled program, in every
+process, with or without a compilation cache). Code that knows where its computation runs
+(the training job and eval.py: on their mesh's devices) says so with `lowered_only_for`,
+and the dispatcher then traces that platform's branch alone.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from collections.abc import Iterator
 import jax
 
 INTERPRET_PLATFORMS = ("tpu", "gpu")
+LOWERING_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
 
 _interpret: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "flash_layers_interpret", default=None)
@@ -36,6 +43,38 @@ def interpret_as(platform: str) -> Iterator[None]:
     yield
   finally:
     _interpret.reset(token)
+
+
+_only: contextvars.ContextVar[str | None] = contextvars.ContextVar("flash_layers_lowered_only_for",
+                                                                 default=None)
+
+
+@contextlib.contextmanager
+def lowered_only_for(platform: str | None) -> Iterator[None]:
+  """Computations traced inside are lowered for `platform` alone ("cpu", "tpu", "cuda", "rocm";
+  None: any, as outside): the dispatcher traces only that platform's choice. Like `interpret_as`,
+  it is read when a function is traced; lowering such a function for another platform would run
+  this platform's choice there.
+  """
+  if platform not in (None, *LOWERING_PLATFORMS):
+    raise ValueError(f"platform must be None or one of {LOWERING_PLATFORMS}; got {platform!r}")
+  token = _only.set(platform)
+  try:
+    yield
+  finally:
+    _only.reset(token)
+
+
+def only_platform() -> str | None:
+  """The platform declared by `lowered_only_for`, or None (any)."""
+  return _only.get()
+
+
+def platform_of(device) -> str:
+  """A device's platform in lowering names ("cpu", "tpu", "cuda", "rocm")."""
+  if device.platform == "gpu":
+    return "rocm" if "rocm" in device.client.platform_version.lower() else "cuda"
+  return device.platform
 
 
 def interpreting() -> str | None:

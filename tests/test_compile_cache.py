@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
 from flash_layers.errors import UserError
@@ -99,3 +100,26 @@ def test_second_train_py_run_loads_every_program_from_the_cache(tmp_path):
   assert misses >= 3 and hits == 0 and len(written) == misses
   assert train("second") == (0, misses)  # a fresh workdir: the same programs, each loaded
   assert _entries(cache) == written  # nothing written again
+
+
+def test_lowered_only_for_traces_one_platform_and_changes_nothing_here():
+  """Inside the training/eval sharding context "auto" attention traces only the mesh platform's
+  choice (no TPU/GPU kernels: most of an encoder's trace time), with bitwise the same result."""
+  import flash_layers as fl
+  from flash_layers import lowering
+  from flash_layers.parallel.mesh import make_mesh
+  from flash_layers.training import sharding as sharding_lib
+
+  q, k, v = (jax.random.normal(jax.random.key(i), (2, 256, 2, 16)) for i in range(3))
+  segments = jax.numpy.asarray([[1] * 100 + [2] * 156, [1] * 200 + [0] * 56], jax.numpy.int32)
+  attend = lambda q, k, v: fl.attention(q, k, v, impl="auto", segment_ids=segments)
+  everywhere = jax.make_jaxpr(attend)(q, k, v)
+  with sharding_lib.sharding_context(make_mesh(data=1, devices=jax.devices()[:1])):
+    assert lowering.only_platform() == "cpu"
+    here_only = jax.make_jaxpr(attend)(q, k, v)
+    only_out = jax.jit(attend)(q, k, v)
+  assert "pallas_call" in str(everywhere) and "pallas_call" not in str(here_only)
+  assert lowering.only_platform() is None
+  np.testing.assert_array_equal(np.asarray(only_out), np.asarray(jax.jit(attend)(q, k, v)))
+  with pytest.raises(ValueError, match="platform must be None or one of"), lowering.lowered_only_for("gpu"):
+    pass

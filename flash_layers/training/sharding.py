@@ -10,6 +10,7 @@ import ml_collections
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from flash_layers import lowering
 from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh, slice_count
 from flash_layers.training import config as config_lib
 
@@ -37,10 +38,13 @@ def to_global(batch: dict, shardings: dict) -> dict:
 def sharding_context(mesh: Mesh):
   """The mesh (for attention's shard_map and the activation constraints) and the logical
   rules the model's annotations resolve against. Entered outside jit: jax.set_mesh
-  cannot be entered while tracing."""
+  cannot be entered while tracing. What is traced inside is lowered for the mesh's platform
+  only (lowering.lowered_only_for: attention traces no other platform's kernels)."""
+  platforms = {lowering.platform_of(d) for d in mesh.devices.flat}
   with contextlib.ExitStack() as stack:
     stack.enter_context(jax.set_mesh(mesh) if hasattr(jax, "set_mesh") else mesh)
     stack.enter_context(nn.logical_axis_rules(LOGICAL_RULES))
+    stack.enter_context(lowering.lowered_only_for(platforms.pop() if len(platforms) == 1 else None))
     yield
 
 
