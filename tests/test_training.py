@@ -494,6 +494,8 @@ def test_first_run_prints_no_libtpu_warnings(reference_run):
 
 def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):
   workdir = reference_run
+  # train.py keeps its compiled programs in the default cache (conftest.py moves it to a temp dir)
+  assert list((pathlib.Path(os.environ["FLASH_LAYERS_CACHE"]) / "jax_compilation_cache").iterdir())
   losses = _losses(workdir)
   assert sorted(losses) == list(range(1, 241))
   assert np.mean([losses[s] for s in range(231, 241)]) < 0.5 * np.mean([losses[s] for s in range(1, 11)])
