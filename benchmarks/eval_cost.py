@@ -168,6 +168,16 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SCORE_FIELDS = ("accuracy", "macro_f1", "loss", "num_examples", "confusion_matrix")
 
 
+def _cpu_model() -> str:
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        return line.split(":", 1)[1].strip()
+  except OSError:
+    pass
+  return platform.processor() or "CPU"
+
+
 def _children_cpu() -> float:
   usage = resource.getrusage(resource.RUSAGE_CHILDREN)
   return usage.ru_utime + usage.ru_stime
@@ -231,29 +241,42 @@ def e2e_main(args) -> dict:
             raise AssertionError(f"max_len {n}, round {r}, {kind}: scored {score}, before {scores[n]}")
           runs[n][kind].append(record)
           print(json.dumps({"round": r, "max_len": n, "cache": kind, **record}), flush=True)
+          if args.json:  # every run as it ends: a stopped benchmark keeps what it measured
+            _write_e2e(args, lengths, runs, scores)
   finally:
     shutil.rmtree(scratch, ignore_errors=True)
+  result = _write_e2e(args, lengths, runs, scores)
+  print(json.dumps(result["summary"]), flush=True)
+  return result
+
+
+def _write_e2e(args, lengths, runs, scores) -> dict:
+  """The e2e result from the runs so far (medians over the rounds done), written to --json."""
   cases = []
   for n in lengths:
     for kind in ("cold", "warm"):
+      if not runs[n][kind]:
+        continue
       cpu = [x["cpu_s"] for x in runs[n][kind]]
       wall = [x["wall_s"] for x in runs[n][kind]]
       cases.append({"max_len": n, "cache": kind, "cpu_s": round(statistics.median(cpu), 2),
                     "wall_s": round(statistics.median(wall), 2), "runs": runs[n][kind]})
   summary = {}
-  if len(lengths) >= 2:
+  done = {(c["max_len"], c["cache"]) for c in cases}
+  ends = (lengths[0], lengths[-1])
+  if len(lengths) >= 2 and all((n, kind) in done for n in ends for kind in ("cold", "warm")):
     lo, hi = lengths[0], lengths[-1]
     for kind in ("cold", "warm"):
       a, b = (next(c for c in cases if c["max_len"] == n and c["cache"] == kind) for n in (hi, lo))
       summary[f"ratio_cpu_{kind}"] = round(a["cpu_s"] / b["cpu_s"], 3)
       summary[f"ratio_cpu_{kind}_rounds"] = [round(x["cpu_s"] / y["cpu_s"], 3) for x, y in zip(
-          a["runs"], b["runs"], strict=True)]
-    print(json.dumps(summary), flush=True)
+          a["runs"], b["runs"], strict=False)]  # the rounds both lengths finished
   result = {"benchmark": "eval.py end to end", "date": datetime.date.today().isoformat(),
-            "hardware": f"{os.cpu_count()}-core CPU ({platform.machine()}), CPU only",
+            "hardware": f"{os.cpu_count()}-core {_cpu_model()} VM, CPU only",
             "command": f"python eval.py --config {args.e2e_config} --config.model.max_len=N "
                        "--workdir=... --config.compilation_cache_dir=...",
-            "rounds": args.rounds, "scores": {str(n): s for n, s in scores.items()},
+            "rounds": args.rounds, "rounds_done": min(len(runs[n]["warm"]) for n in lengths),
+            "load_average_at_end": list(os.getloadavg()), "scores": {str(n): s for n, s in scores.items()},
             "cases": cases, "summary": summary}
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
