@@ -103,7 +103,7 @@ def compile_step(args) -> dict:
   import flash_layers as fl
   from flash_layers import dispatch, masks
   from flash_layers.impls import jax_splash
-  from flash_layers.impls.flash_pallas import tpu
+  from flash_layers.impls.flash_pallas import tpu_config
 
   try:
     device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
@@ -135,7 +135,7 @@ def compile_step(args) -> dict:
     request, _ = dispatch.prepare(q, kv, kv, causal=causal)
     block_sizes = f"splash {jax_splash.splash_block_sizes(request)}"
   else:
-    block_sizes = str(tpu.default_block_sizes(args.generation))
+    block_sizes = str(tpu_config.default_block_sizes(args.generation))
   sizes = {name: int(getattr(memory, f"{name}_size_in_bytes")) for name in
            ("argument", "output", "temp", "generated_code")}
   try:
