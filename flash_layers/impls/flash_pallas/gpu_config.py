@@ -217,12 +217,11 @@ def candidates(request: Request, generation: str | None = None) -> list[GpuBlock
   default = CONFIG_TABLE[(generation, head_dim_bucket(request))]
   if itemsize > 2:
     default = fit_float32(default, request, budget)
-  found = [fit_lengths(default, request)]
+  found = {fit_lengths(default, request): None}  # a dict: ordered, and duplicates drop out
   launch = list(itertools.product(CANDIDATE_BLOCKS, CANDIDATE_BLOCKS, CANDIDATE_WARPS,
                                   CANDIDATE_STAGES))
   for (bq, bk, warps, stages), (bq2, bk2, warps2, stages2) in itertools.product(launch, repeat=2):
     cfg = fit_lengths(GpuBlockSizes(bq, bk, bq2, bk2, warps, stages, warps2, stages2), request)
-    if cfg not in found and shared_memory_bytes(cfg, request.head_dim, request.head_dim_v,
-                                                itemsize) <= budget:
-      found.append(cfg)
-  return found
+    if shared_memory_bytes(cfg, request.head_dim, request.head_dim_v, itemsize) <= budget:
+      found.setdefault(cfg)
+  return list(found)

@@ -128,10 +128,10 @@ def blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
   elif not isinstance(sizes, BlockSizes):
     raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), flash_layers.GpuBlockSizes "
                     f"(GPU) or None; got {sizes!r}")
-  return _clamped(sizes, request)
+  return clamp(sizes, request)
 
 
-def _clamped(sizes: BlockSizes, request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
+def clamp(sizes: BlockSizes, request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
   """Blocks longer than the (128-rounded) sequence shrink to it."""
   q_cap, kv_cap = round_up(request.q_len, LANES), round_up(request.kv_len, LANES)
   fwd = (min(sizes.block_q, q_cap), min(sizes.block_kv, kv_cap))
@@ -230,29 +230,29 @@ def group_tiles(request: Request, tiles: tuple[int, int], token_major: bool, min
 
 
 def candidates(request: Request, generation: str | None = None) -> list[BlockSizes]:
-  """The block sizes an autotuner may time for this request, the default first.
+  """The block sizes an autotuner may time for this request, the generation's default first.
 
   Every forward and backward (block_q, block_kv) from `CANDIDATE_TILES`, as the kernels would
-  use them (clamped to the 128-rounded lengths, duplicates dropped), that fits: the plan within
-  `MAX_PLAN_WORDS`, and one head's tiles within 3/4 of the generation's VMEM (`vmem_need`; no
-  VMEM check when the generation is unknown). GQA head sharing (`forward_tiles`) still applies
-  on top. `generation` defaults to the one being compiled for.
+  use them (clamped to the 128-rounded lengths, duplicates dropped), whose plan fits
+  `MAX_PLAN_WORDS` and whose one-head estimate (`vmem_need`, which carries a 25% margin) fits the
+  generation's VMEM capacity (no VMEM cut when the generation is unknown). A coarse cut: it drops
+  hopeless tiles, and compiling each candidate is the real check. GQA head sharing
+  (`forward_tiles`) still applies on top. `generation` defaults to the one being compiled for.
   """
   generation = generation if generation is not None else tpu_generation()
-  budget = vmem_budget(generation)
+  capacity = VMEM_CAPACITY.get(generation)
   itemsize = 2 if request.dtype == "bfloat16" else 4
 
   def fits(tiles: tuple[int, int]) -> bool:
     if plan_words(request, tiles) > MAX_PLAN_WORDS:
       return False
-    return budget is None or vmem_need(request.head_dim, request.head_dim_v, *tiles,
-                                       itemsize) <= budget
+    return capacity is None or vmem_need(request.head_dim, request.head_dim_v, *tiles,
+                                         itemsize) <= capacity
 
-  default = _clamped(default_block_sizes(generation), request)
-  pairs = sorted({_clamped(BlockSizes(q, kv), request)[0]
+  found = [clamp(default_block_sizes(generation), request)]
+  pairs = sorted({clamp(BlockSizes(q, kv), request)[0]
                   for q, kv in itertools.product(CANDIDATE_TILES, repeat=2)})
   pairs = [p for p in pairs if fits(p)]
-  found = [default] if all(fits(p) for p in default) else []
   for fwd, bwd in itertools.product(pairs, repeat=2):
     if (fwd, bwd) not in found:
       found.append((fwd, bwd))
