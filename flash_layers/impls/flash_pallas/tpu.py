@@ -124,7 +124,7 @@ class _TpuCall:
     return self.request.has_alibi or self.request.has_dropout
 
 
-def _call_of(request: Request, args: Args, interpret: bool) -> _TpuCall:
+def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
   fwd, bwd = tpu_config.blocks(request)
   offsets_static = None  # python ints are known while tracing; traced offsets only at run time
   if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
@@ -142,7 +142,7 @@ def grid_steps(request: Request, args: Args) -> int | None:
   if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids,
                                                   args.q_offset, args.kv_offset)):
     return None
-  cfg = _call_of(request, args, interpret=True)
+  cfg = _config(request, args, interpret=True)
   offsets = jnp.asarray([args.q_offset, args.kv_offset], jnp.int32)
   row_steps, _ = _plan(cfg, cfg.fwd, args.q_segment_ids, args.kv_segment_ids, offsets,
                        kv_major=False)
@@ -169,7 +169,7 @@ def _from_kernel(cfg: _TpuCall, x, length: int, heads: int):
 
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   """(config, padded q length, padded kv length, SMEM offsets table) of one call."""
-  cfg = _call_of(request, args, interpret)
+  cfg = _config(request, args, interpret)
   q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
   # offsets: [q_offset, kv_offset, alibi slopes, dropout streams], in SMEM.
