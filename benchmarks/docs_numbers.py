@@ -31,7 +31,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MIB, GIB = 2.0**-20, 2.0**-30
 
-MARKER = re.compile(r"<!--n:([\w.-]+)-->(.*?)<!--/n-->")
+MARKER = re.compile(r"<!--n:([\w.@+:-]+)-->(.*?)<!--/n-->")
 OPS = ("/", "min", "max")
 
 
@@ -172,6 +172,102 @@ REGISTRY: dict[str, Number] = {
     "memory.rss_growth_pct": Number(_MEMORY, "plateau.rss_growth", ".1f", 100),
     "memory.head_pct": Number(_MEMORY, ("/", "plateau.head_steps.[0]", "steps"), ".0f", 100),
 }
+
+# docs/benchmarks.md's tables. (table, what it holds) -> the cells the page shows.
+_CPU_TIME = {  # mask -> impl -> lengths measured (forward+backward, float32, CPU ms)
+    "causal": {"flash_pallas": (512, 1024, 2048), "xla_native": (512, 1024, 2048, 4096),
+               "xla_chunked": (512, 1024, 2048, 4096, 8192), "reference": (512, 1024, 2048, 4096)},
+    "packed": {"flash_pallas": (512, 1024, 2048), "xla_native": (512, 1024, 2048, 4096),
+               "xla_chunked": (512, 1024, 2048, 4096, 8192, 16384), "reference": (512, 1024, 2048, 4096)},
+}
+_CPU_MEM = {"flash_pallas": (512, 1024, 2048), **{impl: (512, 1024, 2048, 4096, 8192, 16384, 32768)
+                                                  for impl in ("xla_native", "xla_chunked", "reference")}}
+_CPU_ROW = "[impl={impl},seq_len={n},mask={mask},dtype=float32,pass=fwd+bwd,target=cpu]"
+_LOOP_SHAPES = ("16x128x12x32", "4x512x12x32", "8x512x12x64", "4x1024x12x32", "1x2048x12x64")
+_LOOP_ROW = "rows.[variant={v},shape={s},pass={p}]"
+_DENSE_ROW = "rows.[variant={v},shape={s},mask={m}]"
+_CROSSOVER = "cpu-dense-crossover-2026-12-01.json"
+_CROSSOVER_CELLS = [(s, m, v) for s in ("8x768x12x64", "4x1024x12x32") for m in ("none", "segments")
+                    for v in ("flax", "xla_dense", "xla_chunked")] + [
+                    (s, m, v) for s in ("1x1024x12x64", "1x2048x12x64")
+                    for m in ("none", "segments", "causal") for v in ("xla_dense", "xla_chunked")]
+_E2E_CELLS = [("flax", 512), ("auto", 512), ("flax", 2048), ("auto", 2048)]
+_EVAL_BEFORE = "eval-cost-cpu-2026-12-01-before.json"
+_EVAL_NOW = "eval-cost-cpu-2026-12-01.json"
+_EVAL_CASES = (("padded512", "[max_len=512,mode=padded]"), ("packed512", "[max_len=512,mode=packed]"),
+               ("packed4096", "[max_len=4096,mode=packed]"))
+
+REGISTRY.update({
+    **{f"cpu.{mask}.{impl}.{n}.ms": Number(_CPU, _CPU_ROW.format(impl=impl, n=n, mask=mask) + ".cpu_s",
+                                           ".1f", 1000)
+       for mask, impls in _CPU_TIME.items() for impl, lengths in impls.items() for n in lengths},
+    **{f"cpumem.{impl}.{n}": Number(_CPU, _CPU_ROW.format(impl=impl, n=n, mask="full") + ".temp_bytes",
+                                    ",.1f", MIB)
+       for impl, lengths in _CPU_MEM.items() for n in lengths},
+    **{f"splash.{impl}.{mask}.{n}": Number(
+        _SPLASH, f"[impl={impl},shape/mask={mask},shape/seq_len={n}].memory_bytes.temp", ".2f", MIB)
+       for impl in ("flash_pallas", "jax_splash") for mask in ("causal", "full") for n in (8192, 32768)},
+    **{f"splash.ratio.{mask}": Number(
+        _SPLASH, ("/", f"[impl=jax_splash,shape/mask={mask},shape/seq_len=32768].memory_bytes.temp",
+                  f"[impl=flash_pallas,shape/mask={mask},shape/seq_len=32768].memory_bytes.temp"), ".2f")
+       for mask in ("causal", "full")},
+    **{f"loop.{s}.{p}.{v}.ms": Number(_LOOP, _LOOP_ROW.format(v=v, s=s, p=p) + ".cpu_ms", ",.0f")
+       for s in _LOOP_SHAPES for p in ("fwd", "fwd+bwd")
+       for v in ("flax", "xla_dense@whole", "xla_dense", "xla_chunked@whole", "xla_chunked")},
+    **{f"loop.{s}.{p}.{v}.x": Number(_LOOP, _LOOP_ROW.format(v=v, s=s, p=p) + ".flax_cpu_over_ours", ".2f")
+       for s in _LOOP_SHAPES for p in ("fwd", "fwd+bwd")
+       for v in ("xla_dense@whole", "xla_dense", "xla_chunked@whole", "xla_chunked")},
+    **{f"dense.{s}.{m}.{v}.ms": Number(_DENSE, _DENSE_ROW.format(v=v, s=s, m=m) + ".cpu_ms", ",.0f")
+       for s in ("4x512x12x32", "8x512x12x64") for m in ("none", "segments")
+       for v in ("flax", "xla_dense", "xla_native", "xla_chunked")},
+    **{f"dense.{s}.{m}.{v}.x": Number(_DENSE, _DENSE_ROW.format(v=v, s=s, m=m) + ".flax_cpu_over_ours", ".2f")
+       for s in ("4x512x12x32", "8x512x12x64") for m in ("none", "segments")
+       for v in ("xla_dense", "xla_native", "xla_chunked")},
+    **{f"crossover.{s}.{m}.{v}.ms": Number(_CROSSOVER, _DENSE_ROW.format(v=v, s=s, m=m) + ".cpu_ms", ",.0f")
+       for s, m, v in _CROSSOVER_CELLS},
+    **{f"e2e.{v}.{n}.{what}": Number(_E2E, f"[variant={v},seq_len={n}].{path}", fmt, scale)
+       for v, n in _E2E_CELLS
+       for what, path, fmt, scale in (("step_s", "step_s", ".2f", 1.0), ("cpu_s", "step_cpu_s", ".2f", 1.0),
+                                      ("tokens_per_s", "tokens_per_s", ",.0f", 1.0),
+                                      ("peak_mib", "compiled_peak_bytes", ",.0f", MIB),
+                                      ("rss_mib", "peak_rss_bytes", ",.0f", MIB))},
+    **{f"e2e.auto.{n}.{what}": Number(_E2E, f"[variant=auto,seq_len={n}].{path}", ".2f")
+       for n in (512, 2048)
+       for what, path in (("wall_x", "speedup_vs_flax"), ("cpu_x", "cpu_speedup_vs_flax"))},
+    "e2e.auto.8192.step_s": Number(_E2E, "[variant=auto,seq_len=8192].step_s", ".0f"),
+    "e2e.auto.8192.cpu_s": Number(_E2E, "[variant=auto,seq_len=8192].step_cpu_s", ".1f"),
+    "e2e.auto.8192.tokens_per_s": Number(_E2E, "[variant=auto,seq_len=8192].tokens_per_s", ".0f"),
+    "e2e.auto.8192.memory_x": Number(_E2E, "[variant=auto,seq_len=8192].memory_ratio_flax_over_ours", ".0f"),
+    "e2e.auto.8192.peak_mib": Number(_E2E, "[variant=auto,seq_len=8192].compiled_peak_bytes", ",.0f", MIB),
+    "e2e.auto.8192.rss_mib": Number(_E2E, "[variant=auto,seq_len=8192].peak_rss_bytes", ",.0f", MIB),
+    **{f"e2e512.{r}.{v}.{what}": Number(_E2E_512, f"[run={r},variant={v}].{path}", fmt, scale)
+       for r in (1, 2, 3) for v in ("flax", "auto")
+       for what, path, fmt, scale in (("cpu_s", "step_cpu_s", ".2f", 1.0), ("step_s", "step_s", ".1f", 1.0),
+                                      ("peak_mib", "compiled_peak_bytes", ",.0f", MIB),
+                                      ("rss_mib", "peak_rss_bytes", ",.0f", MIB))},
+    **{f"e2e512.{r}.x": Number(_E2E_512, f"[run={r},variant=auto].cpu_speedup_vs_flax", ".2f")
+       for r in (1, 2, 3)},
+    **{f"memory.{what}.{i}": Number(_MEMORY, f"plateau.{path}.[{i}]", fmt, scale)
+       for i in (0, 1)
+       for what, path, fmt, scale in (("rss_mib", "rss_median_bytes", ".1f", MIB),
+                                      ("anon_mib", "rss_anon_median_bytes", ".1f", MIB),
+                                      ("arrays", "live_arrays_floor", "d", 1.0),
+                                      ("array_mib", "live_array_bytes_floor", ".1f", MIB),
+                                      ("threads", "threads_max", "d", 1.0))},
+    "memory.anon_growth_pct": Number(_MEMORY, "plateau.rss_anon_growth", ".1f", 100),
+    **{f"evalcost.{when}.{case}.{what}": Number(f, f"cases.{row}.{path}", fmt, scale)
+       for when, f in (("before", _EVAL_BEFORE), ("now", _EVAL_NOW)) for case, row in _EVAL_CASES
+       for what, path, fmt, scale in (("batches", "batches", "d", 1.0), ("tokens", "real_tokens", ",d", 1.0),
+                                      ("fraction", "real_token_fraction", ".1f", 100),
+                                      ("eval_s", "eval_cpu_s", ".1f", 1.0),
+                                      ("compile_s", "warmup_cpu_s", ".1f", 1.0))},
+    **{f"evalcost.{layers}.{case}.{what}": Number(f, f"cases.{row}.eval_cpu_s", ".2f")
+       for layers, f in (("1layer", _EVAL_1), ("6layers", _EVAL_6))
+       for case, row in _EVAL_CASES[1:] for what in ("eval_s",)},
+    **{f"evalcost.{layers}.rounds.{op}": Number(f, (op, *(f"summary.ratio_eval_cpu_rounds.[{i}]"
+                                                          for i in range(n))), ".2f")
+       for layers, f, n in (("1layer", _EVAL_1, 5), ("6layers", _EVAL_6, 3)) for op in ("min", "max")},
+})
 
 
 # ---------------------------------------------------------------------------------------------
