@@ -316,12 +316,23 @@ def lookup(data, path: str):
   return node
 
 
+_LOADED: dict[tuple[pathlib.Path, int], object] = {}
+
+
+def _load(path: pathlib.Path):
+  """The file's JSON, parsed once per version of the file."""
+  key = (path, path.stat().st_mtime_ns)
+  if key not in _LOADED:
+    _LOADED[key] = json.loads(path.read_text())
+  return _LOADED[key]
+
+
 def value(number: Number, results: pathlib.Path = RESULTS):
   """The number's value, read from its file (unscaled, unformatted)."""
   path = results / number.file
   if not path.is_file():
     raise FileNotFoundError(f"{number.file}: no such results file in {results}")
-  data = json.loads(path.read_text())
+  data = _load(path)
   if isinstance(number.value, str):
     return lookup(data, number.value)
   op, *paths = number.value
