@@ -58,6 +58,8 @@ _RING = "ring-aot-v5p-32k-causal-2026-12-03.json"
 _GRID = "tpu-grid-v5e-32k-2026-12-03.json"
 _GQA = "tpu-aot-gqa-v5e-8k-2026-12-03.json"
 _SPLASH = "tpu-aot-splash-v5e-2026-12-01.json"
+_SPLASH_BEFORE_LAYOUT = "tpu-aot-splash-v5e-2026-12-01-before-layout.json"
+_SPLASH_BEFORE_ALIAS = "tpu-aot-splash-v5e-2026-12-01-before-dq-alias.json"
 _SPLASH_CELL = "[impl={impl},shape/mask=causal,shape/seq_len={n}].memory_bytes.temp"
 _DENSE = "cpu-dense-2026-12-01.json"
 _LOOP = "cpu-attention-loop-2026-12-01.json"
@@ -207,6 +209,14 @@ REGISTRY.update({
     **{f"splash.{impl}.{mask}.{n}": Number(
         _SPLASH, f"[impl={impl},shape/mask={mask},shape/seq_len={n}].memory_bytes.temp", ".2f", MIB)
        for impl in ("flash_pallas", "jax_splash") for mask in ("causal", "full") for n in (8192, 32768)},
+    **{f"layout.{when}.{mask}.{n}": Number(f, f"[impl=flash_pallas,shape/mask={mask},shape/seq_len={n}]"
+                                                ".memory_bytes.temp", fmt, MIB)
+       for when, f in (("now", _SPLASH), ("before", _SPLASH_BEFORE_LAYOUT))
+       for mask in ("causal", "full") for n, fmt in ((8192, ".2f" if when == "before" else ".1f"),
+                                                      (32768, ".1f"))},
+    **{f"layout.delta.causal.{n}": Number(_SPLASH_BEFORE_ALIAS, f"[impl=flash_pallas,shape/mask=causal,"
+                                          f"shape/seq_len={n}].memory_bytes.temp", fmt, MIB)
+       for n, fmt in ((8192, ".1f"), (32768, ".0f"))},
     **{f"splash.ratio.{mask}": Number(
         _SPLASH, ("/", f"[impl=jax_splash,shape/mask={mask},shape/seq_len=32768].memory_bytes.temp",
                   f"[impl=flash_pallas,shape/mask={mask},shape/seq_len=32768].memory_bytes.temp"), ".2f")
