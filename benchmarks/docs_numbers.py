@@ -157,6 +157,7 @@ REGISTRY: dict[str, Number] = {
     "evalcost.6layers": Number(_EVAL_6, "summary.ratio_eval_cpu", ".2f"),
     "evalcost.1layer.layers": Number(_EVAL_1, "cases.[0].num_layers", "d"),
     "evalcost.6layers.layers": Number(_EVAL_6, "cases.[0].num_layers", "d"),
+    "evalcost.before.ratio": Number("eval-cost-cpu-2026-12-01-before.json", "summary.ratio_eval_cpu", ".2f"),
     "evalcost.tokens": Number(_EVAL_1, "summary.ratio_real_tokens", ".2f"),
     # Attention forward on the CPU, looped over rows and kv heads: flax's CPU time over ours.
     "cpuloop.fwd_min": _rows(_LOOP, [f"rows.[variant={v},shape={s},pass=fwd].flax_cpu_over_ours"
@@ -246,6 +247,7 @@ REGISTRY.update({
        for what, path in (("wall_x", "speedup_vs_flax"), ("cpu_x", "cpu_speedup_vs_flax"))},
     "e2e.auto.8192.step_s": Number(_E2E, "[variant=auto,seq_len=8192].step_s", ".0f"),
     "e2e.auto.8192.cpu_s": Number(_E2E, "[variant=auto,seq_len=8192].step_cpu_s", ".1f"),
+    "e2e.auto.8192.cpu_s_int": Number(_E2E, "[variant=auto,seq_len=8192].step_cpu_s", ".0f"),
     "e2e.auto.8192.tokens_per_s": Number(_E2E, "[variant=auto,seq_len=8192].tokens_per_s", ".0f"),
     "e2e.auto.8192.memory_x": Number(_E2E, "[variant=auto,seq_len=8192].memory_ratio_flax_over_ours", ".0f"),
     "e2e.auto.8192.peak_mib": Number(_E2E, "[variant=auto,seq_len=8192].compiled_peak_bytes", ",.0f", MIB),
