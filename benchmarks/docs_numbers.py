@@ -81,6 +81,9 @@ REGISTRY: dict[str, Number] = {
     "quickstart.wall_min": Number(_QUICK, "wall_s", ".1f", 1 / 60),
     "quickstart.cpu_min": Number(_QUICK, "cpu_s", ".1f", 1 / 60),
     "quickstart.date": Number(_QUICK, "date", "s"),
+    "quickstart.load_before": Number(_QUICK, "load_average_before.[0]", ".1f"),
+    **{f"quickstart.{stage}.{what}": Number(_QUICK, f"stages.{stage}.{what}", ".0f")
+       for stage in ("install", "train", "eval") for what in ("wall_s", "cpu_s")},
     # xla_chunked's compiled memory on the CPU, forward+backward, float32.
     "chunked.mem_32k": Number(_CPU, _CPU_CELL.format(impl="xla_chunked", n=32768), ".1f", MIB),
     "chunked.ref_mem_32k_gib": Number(_CPU, _CPU_CELL.format(impl="reference", n=32768), ".0f", GIB),
