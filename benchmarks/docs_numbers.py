@@ -56,7 +56,7 @@ _CPU_CELL = "[impl={impl},seq_len={n},mask=full,dtype=float32,pass=fwd+bwd,targe
 _AOT = "tpu-aot-32k-causal-2026-12-03.json"
 _RING = "ring-aot-v5p-32k-causal-2026-12-03.json"
 _GRID = "tpu-grid-v5e-32k-2026-12-03.json"
-_GQA = "tpu-aot-gqa-v5e-8k-2026-12-03.json"
+_GQA = "tpu-aot-gqa-8k-2026-12-03.json"
 _SPLASH = "tpu-aot-splash-v5e-2026-12-01.json"
 _SPLASH_BEFORE_LAYOUT = "tpu-aot-splash-v5e-2026-12-01-before-layout.json"
 _SPLASH_BEFORE_ALIAS = "tpu-aot-splash-v5e-2026-12-01-before-dq-alias.json"
@@ -115,8 +115,14 @@ REGISTRY: dict[str, Number] = {
     "grid.tiles": Number(_GRID, "block_sizes", "s"),
     "grid.date": Number(_GRID, "date", "s"),
     # GQA, 8 query heads on 2 kv heads x 128, 8k tokens: the kernels' CostEstimate of HBM bytes.
-    "gqa.fwd_mib": Number(_GQA, "rows.[0].kernel_bytes_accessed.flash_layers_fwd", ".1f", MIB),
-    "gqa.dq_mib": Number(_GQA, "rows.[0].kernel_bytes_accessed.flash_layers_bwd_dq", ".1f", MIB),
+    "gqa.fwd_mib": Number(_GQA, "rows.[generation=v5e].kernel_bytes_accessed.flash_layers_fwd", ".1f", MIB),
+    "gqa.dq_mib": Number(_GQA, "rows.[generation=v5e].kernel_bytes_accessed.flash_layers_bwd_dq", ".1f", MIB),
+    "gqa.date": Number(_GQA, "date", "s"),
+    **{f"gqa.{g}.{kernel}_mb": Number(
+        _GQA, f"rows.[generation={g}].kernel_bytes_accessed.flash_layers_{kernel}", ".1f", 1e-6)
+       for g in ("v5e", "v6e") for kernel in ("fwd", "bwd_dq")},
+    **{f"gqa.v5e.{part}_mib": Number(_GQA, f"rows.[generation=v5e].memory_bytes.{part}", ".0f", MIB)
+       for part in ("argument", "output", "temp")},
     # flash_pallas vs jax_splash compiled temporaries, v5e, [1, T, 8, 128] bf16, causal.
     **{f"splash.{impl}.{n}_mib": Number(_SPLASH, _SPLASH_CELL.format(impl=impl, n=n), fmt, MIB)
        for impl in ("flash_pallas", "jax_splash") for n, fmt in ((8192, ".1f"), (32768, ".0f"))},
