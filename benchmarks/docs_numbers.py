@@ -204,12 +204,31 @@ _CROSSOVER_CELLS = [(s, m, v) for s in ("8x768x12x64", "4x1024x12x32") for m in 
                     (s, m, v) for s in ("1x1024x12x64", "1x2048x12x64")
                     for m in ("none", "segments", "causal") for v in ("xla_dense", "xla_chunked")]
 _E2E_CELLS = [("flax", 512), ("auto", 512), ("flax", 2048), ("auto", 2048)]
+_TPU = "tpu-aot-v5e-2026-12-03.json"
+_TPU_IMPLS = ("flash_pallas", "xla_chunked", "jax_splash", "xla_dense", "xla_native", "reference")
+_TPU_ROW = "[impl={impl},seq_len={n},mask={mask},pass={p}].temp_bytes"
+_TPU_RATIOS = [("flash_pallas", m, p) for m in ("full", "causal") for p in ("fwd", "fwd+bwd")] + [
+    ("xla_chunked", m, "fwd+bwd") for m in ("full", "causal")]
 _EVAL_BEFORE = "eval-cost-cpu-2026-12-01-before.json"
 _EVAL_NOW = "eval-cost-cpu-2026-12-01.json"
 _EVAL_CASES = (("padded512", "[max_len=512,mode=padded]"), ("packed512", "[max_len=512,mode=packed]"),
                ("packed4096", "[max_len=4096,mode=packed]"))
 
 REGISTRY.update({
+    **{f"tpuaot.{impl}.{n}": Number(_TPU, _TPU_ROW.format(impl=impl, n=n, mask="full", p="fwd+bwd"),
+                                    ",.1f", MIB)
+       for impl in _TPU_IMPLS for n in (512, 2048, 8192, 32768)},
+    **{f"tpuaot.ratio.{impl}.{mask}.{p}": Number(
+        _TPU, ("/", _TPU_ROW.format(impl="reference", n=32768, mask=mask, p=p),
+               _TPU_ROW.format(impl=impl, n=32768, mask=mask, p=p)), ".0f")
+       for impl, mask, p in _TPU_RATIOS},
+    "tpuaot.flash_pallas.fwd_32k": Number(
+        _TPU, _TPU_ROW.format(impl="flash_pallas", n=32768, mask="full", p="fwd"), ".1f", MIB),
+    **{f"tpuaot.reference.{mask}_gib": Number(_TPU, _TPU_ROW.format(impl="reference", n=32768, mask=mask,
+                                                                    p="fwd+bwd"), ".0f", GIB)
+       for mask in ("full", "causal")},
+    "tpuaot.flash_pallas.32k_mib": Number(_TPU, _TPU_ROW.format(impl="flash_pallas", n=32768, mask="full",
+                                                                p="fwd+bwd"), ".0f", MIB),
     **{f"cpu.{mask}.{impl}.{n}.ms": Number(_CPU, _CPU_ROW.format(impl=impl, n=n, mask=mask) + ".cpu_s",
                                            ".1f", 1000)
        for mask, impls in _CPU_TIME.items() for impl, lengths in impls.items() for n in lengths},
