@@ -192,6 +192,17 @@ _CPU_TIME = {  # mask -> impl -> lengths measured (forward+backward, float32, CP
     "packed": {"flash_pallas": (512, 1024, 2048), "xla_native": (512, 1024, 2048, 4096),
                "xla_chunked": (512, 1024, 2048, 4096, 8192, 16384), "reference": (512, 1024, 2048, 4096)},
 }
+_CPU_PROSE = [  # (mask, impl, length, dtype, pass) quoted in the prose around the CPU tables
+    *(("window", "xla_chunked", n, "float32", "fwd+bwd")
+      for n in (512, 1024, 2048, 4096, 8192, 16384, 32768)),
+    *(("window", "xla_native", n, "float32", "fwd+bwd") for n in (512, 1024, 2048, 4096)),
+    *(("full", "xla_chunked", n, "float32", "fwd+bwd") for n in (512, 1024, 2048, 4096, 8192)),
+    *(("full", "xla_native", n, "float32", "fwd+bwd") for n in (512, 1024, 2048, 4096)),
+    *(("full", impl, 2048, "bfloat16", "fwd+bwd") for impl in ("flash_pallas", "xla_chunked", "xla_native",
+                                                                "reference")),
+    *(("full", impl, 8192, "float32", "fwd") for impl in ("xla_chunked", "xla_native", "reference")),
+    ("packed", "xla_chunked", 32768, "float32", "fwd"), ("window", "xla_chunked", 32768, "float32", "fwd"),
+]
 _CPU_MEM = {"flash_pallas": (512, 1024, 2048), **{impl: (512, 1024, 2048, 4096, 8192, 16384, 32768)
                                                   for impl in ("xla_native", "xla_chunked", "reference")}}
 _CPU_ROW = "[impl={impl},seq_len={n},mask={mask},dtype=float32,pass=fwd+bwd,target=cpu]"
@@ -232,6 +243,13 @@ REGISTRY.update({
     **{f"cpu.{mask}.{impl}.{n}.ms": Number(_CPU, _CPU_ROW.format(impl=impl, n=n, mask=mask) + ".cpu_s",
                                            ".1f", 1000)
        for mask, impls in _CPU_TIME.items() for impl, lengths in impls.items() for n in lengths},
+    **{f"cpu.{dtype}.{p}.{mask}.{impl}.{n}.ms": Number(
+        _CPU, f"[impl={impl},seq_len={n},mask={mask},dtype={dtype},pass={p},target=cpu].cpu_s",
+        ",.1f" if (dtype, p) == ("float32", "fwd+bwd") else ",.0f", 1000)
+       for mask, impl, n, dtype, p in _CPU_PROSE},
+    **{f"cpu.float32.fwd.{mask}.xla_chunked.32768.{what}": Number(
+        _CPU, f"[impl=xla_chunked,seq_len=32768,mask={mask},dtype=float32,pass=fwd,target=cpu].{what}", ",d")
+       for mask in ("packed",) for what in ("blocks_visited", "blocks_total")},
     **{f"cpumem.{impl}.{n}": Number(_CPU, _CPU_ROW.format(impl=impl, n=n, mask="full") + ".temp_bytes",
                                     ",.1f", MIB)
        for impl, lengths in _CPU_MEM.items() for n in lengths},
