@@ -185,7 +185,7 @@ REGISTRY: dict[str, Number] = {
     "memory.head_pct": Number(_MEMORY, ("/", "plateau.head_steps.[0]", "steps"), ".0f", 100),
 }
 
-# docs/benchmarks.md's tables. (table, what it holds) -> the cells the page shows.
+# docs/benchmarks.md's tables and the prose around them: the cells each one shows.
 _CPU_TIME = {  # mask -> impl -> lengths measured (forward+backward, float32, CPU ms)
     "causal": {"flash_pallas": (512, 1024, 2048), "xla_native": (512, 1024, 2048, 4096),
                "xla_chunked": (512, 1024, 2048, 4096, 8192), "reference": (512, 1024, 2048, 4096)},
