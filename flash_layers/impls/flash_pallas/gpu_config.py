@@ -209,7 +209,8 @@ def candidates(request: Request, generation: str | None = None) -> list[GpuBlock
   `CANDIDATE_BLOCKS`, `CANDIDATE_WARPS` and `CANDIDATE_STAGES`, as the kernels would use them
   (tiles fit to the lengths, duplicates dropped), whose `shared_memory_bytes` in the request's
   dtype fits the generation's shared memory (`SHARED_MEMORY`). `generation` defaults to the
-  local GPU's.
+  local GPU's. The forward kernel uses only the forward half and the backward kernels only the
+  backward half, so a tuner may time the halves apart instead of their full product.
   """
   generation = generation if generation is not None else gpu_generation()
   budget = SHARED_MEMORY[generation]

@@ -238,6 +238,8 @@ def candidates(request: Request, generation: str | None = None) -> list[BlockSiz
   generation's VMEM capacity (no VMEM cut when the generation is unknown). A coarse cut: it drops
   hopeless tiles, and compiling each candidate is the real check. GQA head sharing
   (`forward_tiles`) still applies on top. `generation` defaults to the one being compiled for.
+  The list is the full product of forward and backward pairs; the two meet only in the padding
+  (the lengths round up to both), so a tuner may time the forward and the backward pairs apart.
   """
   generation = generation if generation is not None else tpu_generation()
   capacity = VMEM_CAPACITY.get(generation)
