@@ -173,3 +173,24 @@ def test_quickstart_benchmark_runs_readme_command_one_in_stages():
   assert names == ["install", "train", "eval"]
   install = dict(quickstart.stages(command))["install"]
   assert install.count("pip install") == 3
+
+
+def test_eval_cost_e2e_summary_keeps_every_run_and_rounds_done(tmp_path):
+  import argparse
+
+  from benchmarks import eval_cost
+  run = lambda cpu: {"cpu_s": cpu, "wall_s": 2 * cpu}
+  runs = {512: {"cold": [run(10.0), run(12.0), run(11.0)], "warm": [run(8.0), run(9.0), run(7.0)]},
+          4096: {"cold": [run(16.0), run(18.0), run(17.0)], "warm": [run(12.0), run(12.6), run(11.2)]}}
+  args = argparse.Namespace(json=str(tmp_path / "e2e.json"), e2e_config="configs/quickstart.py", rounds=3)
+  result = eval_cost._write_e2e(args, [512, 4096], runs, {512: {"accuracy": 1.0}})
+  assert json.loads((tmp_path / "e2e.json").read_text())["summary"] == result["summary"]
+  assert result["rounds_done"] == 3 and len(result["cases"]) == 4
+  # ratios of the medians (17/11, 12/8), and per round
+  assert result["summary"]["ratio_cpu_cold"] == round(17 / 11, 3)
+  assert result["summary"]["ratio_cpu_warm"] == 1.5
+  assert result["summary"]["ratio_cpu_warm_rounds"] == [1.5, 1.4, 1.6]
+  # a run stopped mid-way: what finished is kept, no ratio without both lengths
+  partial = {512: {"cold": [run(10.0)], "warm": []}, 4096: {"cold": [], "warm": []}}
+  result = eval_cost._write_e2e(args, [512, 4096], partial, {})
+  assert result["rounds_done"] == 0 and result["summary"] == {} and len(result["cases"]) == 1
