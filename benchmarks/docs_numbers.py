@@ -173,6 +173,8 @@ REGISTRY: dict[str, Number] = {
     "evalcost.e2e.cold": Number(_EVAL_E2E, "summary.ratio_cpu_cold", ".2f"),
     "evalcost.e2e.warm": Number(_EVAL_E2E, "summary.ratio_cpu_warm", ".2f"),
     "evalcost.e2e.date": Number(_EVAL_E2E, "date", "s"),
+    **{f"evalcost.e2e.{kind}.round{i}": Number(_EVAL_E2E, f"summary.ratio_cpu_{kind}_rounds.[{i}]", ".2f")
+       for kind in ("cold", "warm") for i in (0, 1)},
     **{f"evalcost.e2e.{n}.{cache}": Number(_EVAL_E2E, f"cases.[max_len={n},cache={cache}].cpu_s", ".1f")
        for n in (512, 4096) for cache in ("cold", "warm")},
     # One eval step traced before and after lowering.lowered_only_for (exploratory).
