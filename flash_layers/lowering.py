@@ -4,7 +4,10 @@ Kernel families are chosen by the platform the computation is *lowered* for
 (`jax.lax.platform_dependent`), never by `jax.default_backend()`: an
 ahead-of-time compile for TPU or CUDA from a CPU host must get the real kernels.
 `interpret_as("tpu" | "gpu")` overrides that for testing: Pallas kernels of the
-named family run in interpret mode, whatever the machine.
+named family run in interpret mode, whatever the machine. `interpret_as("tpu",
+params=...)` also chooses the TPU interpreter's settings (`pltpu.InterpretParams`:
+simulated cores, random parallel order, eager DMAs, the race detector); see
+`flash_layers.testing.strict` for the strict preset the test tier uses.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import contextlib
 import contextvars
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 
@@ -20,27 +24,43 @@ INTERPRET_PLATFORMS = ("tpu", "gpu")
 
 _interpret: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "flash_layers_interpret", default=None)
+_params: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "flash_layers_interpret_params", default=None)
 
 
 @contextlib.contextmanager
-def interpret_as(platform: str) -> Iterator[None]:
+def interpret_as(platform: str, params: Any = None) -> Iterator[None]:
   """Run flash_pallas's `platform` kernels ("tpu" or "gpu") in Pallas interpret mode.
 
-  The choice is read when a function is traced; a function already jitted keeps
-  the kernels it was traced with.
+  params: for "tpu" only, a `jax.experimental.pallas.tpu.InterpretParams` the TPU
+  kernels are interpreted with (None: its defaults). The choice is read when a
+  function is traced; a function already jitted keeps the kernels it was traced with.
   """
   if platform not in INTERPRET_PLATFORMS:
     raise ValueError(f"interpret_as platform must be one of {INTERPRET_PLATFORMS}; got {platform!r}")
-  token = _interpret.set(platform)
+  if params is not None:
+    if platform != "tpu":
+      raise ValueError(f"interpret_as params apply to platform 'tpu' only; got platform {platform!r}")
+    from jax.experimental.pallas import tpu as pltpu  # the TPU interpreter's settings type
+    if not isinstance(params, pltpu.InterpretParams):
+      raise ValueError("interpret_as params must be a jax.experimental.pallas.tpu.InterpretParams "
+                       f"or None; got {type(params).__name__}")
+  token, params_token = _interpret.set(platform), _params.set(params)
   try:
     yield
   finally:
+    _params.reset(params_token)
     _interpret.reset(token)
 
 
 def interpreting() -> str | None:
   """The platform forced by `interpret_as`, or None."""
   return _interpret.get()
+
+
+def interpret_params() -> Any:
+  """The `InterpretParams` given to the enclosing `interpret_as("tpu", params=...)`, or None."""
+  return _params.get()
 
 
 def default_platform() -> str:
