@@ -64,15 +64,29 @@ def _problem(cfg: conformance.Config) -> _TiledProblem:
   return _TiledProblem(**{f.name: getattr(problem, f.name) for f in dataclasses.fields(problem)})
 
 
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize("config", [c.name for c in STRICT_CONFIGS])
-def test_tpu_kernels_conform_under_the_strict_interpreter(config, seed):
+def test_tpu_kernels_conform_under_the_strict_interpreter(config):
+  """Every seed in one test, so they share one process's compiled core programs (pytest-xdist
+  would otherwise compile them again in each worker)."""
   problem = _problem(next(c for c in STRICT_CONFIGS if c.name == config))
-  with strict.interpreting(seed) as races:
-    # ("flash_pallas", None): the case's own interpret context is left out, the strict one above
-    # forces the TPU family.
-    conformance.check_case(("flash_pallas", None), problem)
-  assert not races, f"{config} seed {seed}: {races}"
+  for seed in SEEDS:
+    try:
+      with strict.interpreting(seed) as races:
+        # ("flash_pallas", None): the case's own interpret context is left out, the strict one
+        # above forces the TPU family.
+        conformance.check_case(("flash_pallas", None), problem)
+    except Exception as e:  # a revisited block, an out-of-bounds read, a wrong result
+      raise AssertionError(f"{config} seed {seed}: {e}") from e
+    assert not races, f"{config} seed {seed}: {races}"
+
+
+def test_interpret_params_are_checked():
+  with pytest.raises(ValueError, match="params apply to platform 'tpu' only"), \
+      fl.interpret_as("gpu", params=strict.params(0)):
+    pass
+  with pytest.raises(ValueError, match="InterpretParams or None; got dict"), \
+      fl.interpret_as("tpu", params={"detect_races": True}):
+    pass
 
 
 def test_strict_configs_cover_the_tier():

@@ -22,9 +22,9 @@ Races it only prints and flags in a module global that the next kernel replaces;
 With two cores the interpreter compiles each kernel's per-core program once per core and
 per call (jax 0.10.2); `interpreting` compiles it once per distinct program instead, which
 halves a test's time and more across seeds (the order is an argument, not part of the
-program). Both hooks read private modules of jax (checked on jax 0.10.2 and 0.11.1): when a
-jax lacks the race hook, `watch_races` raises rather than report no races; without the
-compile hook kernels only run slower.
+program). Both hooks reach into private modules of jax (run on jax 0.10.2, written against
+0.11.1's source as well): when a jax lacks the race hook, `watch_races` raises rather than
+report no races; without the compile hook kernels only run slower.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import hashlib
 import importlib
+import inspect
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -97,13 +98,15 @@ def watch_races() -> Iterator[RaceLog]:
         log.append(Race(*(str(x) for x in access)))
       super().__setattr__(name, value)
 
-    def check_read(self, device_id, local_core_id, clock, buffer_key, rnge, *args, **kwargs):
-      current.access = ("read", buffer_key, rnge)
-      return super().check_read(device_id, local_core_id, clock, buffer_key, rnge, *args, **kwargs)
+    # The accessor's arguments differ between jax versions ((device, core, clock, buffer_key, rnge)
+    # in 0.10.2, (thread, clock, buffer_key, rnge) in 0.11.1): bound by name.
+    def check_read(self, *args, **kwargs):
+      current.access = ("read", *_buffer_and_range(base.check_read, self, args, kwargs))
+      return super().check_read(*args, **kwargs)
 
-    def check_write(self, device_id, local_core_id, clock, buffer_key, rnge, *args, **kwargs):
-      current.access = ("write", buffer_key, rnge)
-      return super().check_write(device_id, local_core_id, clock, buffer_key, rnge, *args, **kwargs)
+    def check_write(self, *args, **kwargs):
+      current.access = ("write", *_buffer_and_range(base.check_write, self, args, kwargs))
+      return super().check_write(*args, **kwargs)
 
   module.RaceDetectionState = Recording
   try:
@@ -111,6 +114,11 @@ def watch_races() -> Iterator[RaceLog]:
   finally:
     module.RaceDetectionState = base
     pltpu.reset_tpu_interpret_mode_state()
+
+
+def _buffer_and_range(method, instance, args, kwargs) -> tuple[Any, Any]:
+  bound = inspect.signature(method).bind(instance, *args, **kwargs).arguments
+  return bound.get("buffer_key", "?"), bound.get("rnge", "?")
 
 
 @contextlib.contextmanager
