@@ -34,7 +34,7 @@ import numpy as np
 import flash_layers as fl
 from benchmarks import cases
 from flash_layers import dispatch, lowering
-from flash_layers.impls import REGISTRY
+from flash_layers.impls import REGISTRY, registry
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -159,7 +159,7 @@ def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int |
   request, args = dispatch.prepare(q, k, v, **kwargs)
   name, _ = dispatch.resolve(impl, request, target.platform)
   chosen = REGISTRY[name]
-  stats = getattr(chosen, "block_stats", None)
+  stats = registry.method(name, "block_stats")
   visited, total = (stats(request, args, target.platform) or (None, None)) if stats else (None, None)
   return chosen.kernel(request, target.platform), visited, total
 

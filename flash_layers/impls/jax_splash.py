@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import lowering, masks
+from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.tiling import LANES, BlockSizes, round_up
 
@@ -284,8 +285,8 @@ def _static_offset(args: Args, request: Request) -> int:
   if request.spec.causal or request.spec.window is not None:
     raise UnsupportedError(
         "impl='jax_splash' does not support causal or window masks with traced position offsets "
-        "(ring attention): splash's mask is static; impls that do: flash_pallas, xla_chunked, "
-        "xla_dense, xla_native, reference")
+        "(ring attention): splash's mask is static; impls that do: "
+        + ", ".join(registry.impls_with("traced_offsets")))
   return 0
 
 
@@ -319,6 +320,8 @@ def splash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
 
 class JaxSplash:
   name = "jax_splash"
+  # No traced_offsets: splash's mask is static (`_static_offset` refuses traced causal offsets).
+  capabilities = frozenset({"block_stats"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     forced = lowering.interpreting()
