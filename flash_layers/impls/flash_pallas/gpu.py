@@ -64,7 +64,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes, round_up
+from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, CpuBlockSizes, GpuBlockSizes, round_up
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -169,7 +169,7 @@ def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
   `GpuBlockSizes` replaces the table entry, the TPU family's `BlockSizes` is not
   for us.
   """
-  if block_sizes is None or isinstance(block_sizes, BlockSizes):
+  if block_sizes is None or isinstance(block_sizes, (BlockSizes, CpuBlockSizes)):
     return base
   if isinstance(block_sizes, GpuBlockSizes):
     return block_sizes
