@@ -92,10 +92,10 @@ def tpu(request: Request) -> list[Candidate]:
   """flash_pallas TPU tiles: forward and backward (q, kv) blocks, multiples of 128 up to 1,024,
   clipped to the 128-rounded lengths. The defaults come first (block_sizes None)."""
   q_cap, kv_cap = round_up(request.q_len, LANES), round_up(request.kv_len, LANES)
-  sizes = sorted({min(s, cap) for s in (256, 512, 1024) for cap in (q_cap,)})
-  kv_sizes = sorted({min(s, kv_cap) for s in (256, 512, 1024)})
+  q_sizes = sorted({min(s, q_cap) for s in CHUNKS})
+  kv_sizes = sorted({min(s, kv_cap) for s in CHUNKS})
   out = [Candidate("flash_pallas")]
-  for bq in sizes:
+  for bq in q_sizes:
     for bk in kv_sizes:
       out.append(Candidate("flash_pallas", BlockSizes(bq, bk, min(bq, 512), min(bk, 512))))
   return out
