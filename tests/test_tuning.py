@@ -217,3 +217,32 @@ def test_user_dir_follows_argument_env_and_xdg(monkeypatch, tmp_path):
   monkeypatch.delenv(cache.ENV_DIR)
   monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
   assert cache.user_dir() == tmp_path / "xdg" / "flash_layers" / "tuning"
+
+
+# ----------------------------------------------------------------------------
+# The CLI's pieces: recording a step's calls (traced, never run), tuning each bucket once
+# ----------------------------------------------------------------------------
+
+def test_recorded_calls_split_train_and_eval_buckets_and_tune_each_once(monkeypatch, tmp_path):
+  from benchmarks import autotune as cli
+
+  q = jax.ShapeDtypeStruct(SHAPE, jnp.float32)
+  seg = jnp.ones(SHAPE[:2], jnp.int32)
+
+  def layer(q, k, v, rate):  # an explicit impl: "auto" would also trace the TPU and GPU kernels
+    return fl.attention(q, k, v, impl="xla_dense", segment_ids=seg, dropout_rate=rate,
+                        dropout_rng=jax.random.key(0))
+
+  with cli.recorded_calls() as train:
+    jax.eval_shape(jax.grad(lambda q: layer(q, q, q, 0.1).sum()), q)
+  with cli.recorded_calls() as evaluate:
+    jax.eval_shape(lambda q: layer(q, q, q, 0.0), q)
+  ((train_impl, train_request),), ((_, eval_request),) = train, evaluate
+  assert train_impl == "xla_dense" and train_request.has_dropout and not eval_request.has_dropout
+  assert cache.bucket_key("xla_dense", train_request) != cache.bucket_key("xla_dense", eval_request)
+
+  tuned = []
+  monkeypatch.setattr(tuner, "tune_request", lambda request, **kw: tuned.append((request, kw["mode"])) or
+                      tuner.TuningResult("xla_dense", None, "tuned", cache.bucket_key("xla_dense", request)))
+  rows = cli.tune_calls(train * 2, "train", cache_dir=tmp_path, log=lambda _: None)
+  assert tuned == [(train_request, "train")] and len(rows) == 1  # one bucket, tuned once
