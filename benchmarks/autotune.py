@@ -295,6 +295,30 @@ def bench(lengths, rounds: int, log=print, partial: str | None = None) -> dict[s
   return report
 
 
+def markdown(report: dict[str, Any]) -> str:
+  """The --bench table: per length and pass, CPU s/step of default, A/A and tuned, the gain, tuning time."""
+  lines = ["| tokens x batch | pass | default | A/A (noise) | tuned | tuned speedup | paired tuned/default "
+           "(min-max) | what tuning chose | tuning time | load (1 min) |", "|" + "---|" * 10]
+  for row in report["rows"]:
+    chosen = "; ".join(f"{b['mode']}: {b['impl']}"
+                       + (f" ({_sizes(b['block_sizes'])})" if b["block_sizes"] else "")
+                       for b in row["buckets"])
+    for name, x in row["passes"].items():
+      t = x["cpu_s"]
+      paired = x["paired_tuned_over_default"]
+      lines.append(
+          f"| {row['seq_len']:,} x {row['batch']} | {name} | {t['default']:.3f} s | {t['default_aa']:.3f} s "
+          f"({x['aa_ratio']:.2f}) | {t['tuned']:.3f} s | {x['speedup_tuned']:.2f}x | {min(paired):.2f}-"
+          f"{max(paired):.2f} | {chosen if name == 'train' else ''} | "
+          f"{str(row['tuning_seconds']) + ' s' if name == 'train' else ''} | "
+          f"{row['load_before']['load_avg_1min']:.0f}-{row['load_after']['load_avg_1min']:.0f} |")
+  return "\n".join(lines)
+
+
+def _sizes(encoded: dict) -> str:
+  return ", ".join(f"{k} {v}" for k, v in encoded.items() if k != "family" and v is not None) or "defaults"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--config", help="tune this training config's attention calls (train and eval)")
@@ -307,14 +331,18 @@ def parse_args(argv=None) -> argparse.Namespace:
   p.add_argument("--force", action="store_true", help="--config: tune buckets already in the cache again")
   p.add_argument("--ship", help="--bench: also write the tuned entries to this JSON file (shipped table)")
   p.add_argument("--json", help="write the results here")
+  p.add_argument("--from-json", help="print the markdown table of a --bench results file")
   args = p.parse_args(argv)
-  if bool(args.config) == bool(args.bench):
-    p.error("give exactly one of --config or --bench")
+  if sum(map(bool, (args.config, args.bench, args.from_json))) != 1:
+    p.error("give exactly one of --config, --bench or --from-json")
   return args
 
 
 def main(argv=None) -> int:
   args = parse_args(argv)
+  if args.from_json:
+    print(markdown(json.loads(pathlib.Path(args.from_json).read_text())))
+    return 0
   if args.config:
     report = tune_config(args.config, cache_dir=args.cache_dir, force=args.force)
   else:
