@@ -350,7 +350,7 @@ def choose(impl: str, request: Request, platform: str) -> tuple[str, str, Reques
     tuned = tuning_cache.lookup(impl, request, platform)
     if tuned is not None and _tuned_impl_allowed(impl, tuned.impl, request, platform):
       resolve(tuned.impl, request, platform)  # an explicit impl still refuses what it cannot serve
-      reason = f"{tuned.source}: {tuned.impl} measured fastest for this shape bucket on this device"
+      reason = "measured fastest for this shape bucket on this device"
       seconds, default = tuned.entry.get("seconds"), tuned.entry.get("default_seconds")
       if seconds and default:
         reason += f" ({1e3 * seconds:.1f} ms vs {1e3 * default:.1f} ms untuned, {tuned.entry.get('mode')})"
