@@ -297,8 +297,8 @@ def bench(lengths, rounds: int, log=print, partial: str | None = None) -> dict[s
 
 def markdown(report: dict[str, Any]) -> str:
   """The --bench table: per length and pass, CPU s/step of default, A/A and tuned, the gain, tuning time."""
-  lines = ["| tokens x batch | pass | default | A/A (noise) | tuned | tuned speedup | paired tuned/default "
-           "(min-max) | what tuning chose | tuning time | load (1 min) |", "|" + "---|" * 10]
+  lines = ["| tokens x batch | pass | default | A/A (noise) | tuned | tuned speedup | tuned/default time per "
+           "round (min-max) | what tuning chose | tuning time | load (1 min) |", "|" + "---|" * 10]
   for row in report["rows"]:
     chosen = "; ".join(f"{b['mode']}: {b['impl']}"
                        + (f" ({_sizes(b['block_sizes'])})" if b["block_sizes"] else "")
