@@ -340,11 +340,9 @@ class XlaChunked:
   def chunk_shape(self, request: Request) -> tuple[int, int]:
     """(q, kv) chunk lengths: the request's `CpuBlockSizes` (tuned, flash_layers/tuning) where set,
     else this impl's defaults."""
-    sizes = request.block_sizes
-    block_q = getattr(sizes, "block_q", None) if isinstance(sizes, CpuBlockSizes) else None
-    block_kv = getattr(sizes, "block_kv", None) if isinstance(sizes, CpuBlockSizes) else None
-    return (chunk_size(request.q_len, block_q or self.block_q),
-            chunk_size(request.kv_len, block_kv or self.block_kv))
+    sizes = request.block_sizes if isinstance(request.block_sizes, CpuBlockSizes) else CpuBlockSizes()
+    return (chunk_size(request.q_len, sizes.block_q or self.block_q),
+            chunk_size(request.kv_len, sizes.block_kv or self.block_kv))
 
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(chunk pairs visited, total) over batch and heads; None when segment ids are traced."""
