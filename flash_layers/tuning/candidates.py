@@ -7,8 +7,9 @@ candidate is compiled, checked against the reference and timed.
 CPU ("auto" or xla_dense / xla_chunked): xla_dense with and without the per-row/per-head loop,
 xla_chunked over chunk pairs, and the loop flipped for the default pair. Between the two impls
 this is the crossover "auto" otherwise takes at `dispatch.CPU_CHUNKED_MIN_KV_LEN` keys.
-TPU / GPU (flash_pallas): the kernels' tiles (GPU: also warps and stages) around the table's
-defaults. These two functions are the only place that knows the kernels' spaces.
+TPU / GPU (flash_pallas): the kernels' tiles (GPU: also warps and stages) from the candidate spaces
+of `flash_pallas/tpu_config.py` and `gpu_config.py`, each half (forward, backward) varied with the
+other at the generation's default.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import Any
 
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Request
-from flash_layers.impls.tiling import LANES, BlockSizes, CpuBlockSizes, GpuBlockSizes, round_up
+from flash_layers.impls.tiling import CpuBlockSizes
 from flash_layers.impls.xla_chunked import DEFAULT_BLOCK_KV, DEFAULT_BLOCK_Q, chunk_size
 
 NEVER_LOOP = 1 << 62  # loop_bytes no call reaches
@@ -88,29 +89,33 @@ def _default_cpu_impl(request: Request) -> str:
   return "xla_chunked" if request.kv_len >= CPU_CHUNKED_MIN_KV_LEN else "xla_dense"
 
 
-def tpu(request: Request) -> list[Candidate]:
-  """flash_pallas TPU tiles: forward and backward (q, kv) blocks, multiples of 128 up to 1,024,
-  clipped to the 128-rounded lengths. The defaults come first (block_sizes None)."""
-  q_cap, kv_cap = round_up(request.q_len, LANES), round_up(request.kv_len, LANES)
-  q_sizes = sorted({min(s, q_cap) for s in CHUNKS})
-  kv_sizes = sorted({min(s, kv_cap) for s in CHUNKS})
+def _around_default(configs: list, forward, backward) -> list[Candidate]:
+  """flash_pallas candidates from a kernel config module's list (its default first): the configs
+  that keep one half (forward or backward tiles) at the default, so each half is searched with the
+  other fixed instead of timing the full product."""
+  default = configs[0]
   out = [Candidate("flash_pallas")]
-  for bq in q_sizes:
-    for bk in kv_sizes:
-      out.append(Candidate("flash_pallas", BlockSizes(bq, bk, min(bq, 512), min(bk, 512))))
+  for cfg in configs[1:]:
+    if forward(cfg) == forward(default) or backward(cfg) == backward(default):
+      out.append(Candidate("flash_pallas", cfg))
   return out
+
+
+def tpu(request: Request) -> list[Candidate]:
+  """flash_pallas TPU tiles: `tpu_config.candidates` (VMEM-checked, clamped), one half at a time."""
+  from flash_layers.impls.flash_pallas import tpu_config  # noqa: PLC0415 (only when tuning a TPU)
+  return _around_default(tpu_config.candidates(request), lambda c: (c.block_q, c.block_kv),
+                         lambda c: c.backward)
 
 
 def gpu(request: Request) -> list[Candidate]:
-  """flash_pallas GPU tiles and launch parameters: (block_q, block_kv) in {64, 128}^2 with
-  (warps, stages) in {(4, 2), (4, 3), (8, 3)}; the backward on the table's defaults."""
-  out = [Candidate("flash_pallas")]
-  for bq in (64, 128):
-    for bk in (32, 64, 128):
-      for warps, stages in ((4, 2), (4, 3), (8, 3)):
-        out.append(Candidate("flash_pallas", GpuBlockSizes(block_q=bq, block_kv=bk, num_warps=warps,
-                                                           num_stages=stages)))
-  return out
+  """flash_pallas GPU tiles, warps and stages: `gpu_config.candidates` (shared-memory-checked), one
+  half at a time."""
+  from flash_layers.impls.flash_pallas import gpu_config  # noqa: PLC0415 (only when tuning a GPU)
+  return _around_default(
+      gpu_config.candidates(request),
+      lambda c: (c.block_q, c.block_kv, c.num_warps, c.num_stages),
+      lambda c: (c.block_q_bwd, c.block_kv_bwd, c.num_warps_bwd, c.num_stages_bwd))
 
 
 def for_call(impl: str, request: Request, platform: str) -> list[Candidate]:
