@@ -101,12 +101,13 @@ def compile_step(args) -> dict:
   from jax.experimental import topologies
 
   import flash_layers as fl
-  from flash_layers import dispatch, masks
+  from flash_layers import dispatch, host, masks
   from flash_layers.impls import jax_splash
   from flash_layers.impls.flash_pallas import tpu_config
 
   try:
-    device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
+    with host.quiet_libtpu():
+      device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
   except Exception as e:  # libtpu missing
     raise SystemExit(f"--generation {args.generation}: cannot describe this TPU (is libtpu "
                      f"installed? pip install -e .[tpu-aot]): {e}") from None

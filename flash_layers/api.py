@@ -12,9 +12,11 @@ from typing import Any
 import jax
 
 from flash_layers import dispatch, lowering
-from flash_layers.dispatch import AUTO, attend, prepare, resolve
+from flash_layers.dispatch import AUTO, attend, choose, prepare
 from flash_layers.impls import REGISTRY, registry
 from flash_layers.parallel import sharded
+from flash_layers.tuning import tuner
+from flash_layers.tuning.cache import AUTOTUNE
 
 __all__ = ["AUTO", "Explanation", "attention", "explain"]
 
@@ -69,7 +71,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       "tensorfloat32", "float32") or a `jax.lax.Precision`. None: "highest" (full float32
       products) for float32 inputs, "default" for bfloat16 (whose products are exact anyway).
       What each means per platform: docs/contract.md, "Precision".
-    block_sizes: flash_pallas tile sizes (see its BlockSizes); None for the defaults.
+    block_sizes: tile sizes: flash_pallas's `BlockSizes` (TPU) or `GpuBlockSizes`, the CPU layouts'
+      `CpuBlockSizes`; None for the defaults ("auto" then reads the tuning cache); "autotune": the
+      tuned configuration for this device and shape bucket, tuned now on a cache miss
+      (`flash_layers.autotune`, docs/tuning.md).
     mesh: a `jax.sharding.Mesh` with axes from ("data", "fsdp", "tensor", "sequence")
       (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
       The call then runs inside `shard_map`: batch over data x fsdp, heads over
@@ -87,8 +92,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
                           dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes, bias=bias,
                           precision=precision)
   mesh = sharded.resolve_mesh(mesh)
-  if mesh is not None:
-    plan = sharded.make_plan(request, mesh)
+  plan = None if mesh is None else sharded.make_plan(request, mesh)
+  if block_sizes == AUTOTUNE:  # tune what each device runs, unless the cache has it
+    tuner.ensure_tuned(impl, request if plan is None else plan.local)
+  if plan is not None:
     out, _ = sharded.sharded_attend(query, key, value, impl=impl, request=request, args=args, plan=plan)
     return out
   out, _ = attend(query, key, value, impl=impl, request=request, args=args)
@@ -106,6 +113,8 @@ class Explanation:
   blocks_total: int | None = None
   sharding: str | None = None  # how a call with a mesh is split; None: one device
   grid_steps: int | None = None  # kernel grid steps of the forward pass (TPU kernels), if known
+  tuning: str = "default"  # where the configuration came from: "tuned (cache hit)", "shipped", "default"
+  block_sizes: Any = None  # the tuned block sizes the impl runs with (None: its defaults)
 
   @property
   def block_fraction(self) -> float | None:
@@ -122,6 +131,9 @@ class Explanation:
       text += f"; grid steps {self.grid_steps}"
     if self.sharding is not None:
       text += f"; {self.sharding}"
+    text += f"; configuration: {self.tuning}"
+    if self.block_sizes is not None:
+      text += f" {self.block_sizes}"
     return text
 
 
@@ -138,8 +150,9 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   here = lowering.default_platform()
   mesh = sharded.resolve_mesh(mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
-  name, reason = resolve(impl, request if plan is None else plan.local, here)
+  name, reason, local, source = choose(impl, request if plan is None else plan.local, here)
   chosen = REGISTRY[name]
+  request = dataclasses.replace(request, block_sizes=local.block_sizes)  # the sizes that run
   visited = total = None
   if registry.impl_has(name, "block_stats"):
     stats = chosen.block_stats(request, args, here)
@@ -147,4 +160,5 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
       visited, total = stats
   steps = chosen.grid_steps(request, args, here) if registry.impl_has(name, "grid_steps") else None
   sharding = None if plan is None else plan.describe(request)
-  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps)
+  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps, source,
+                     local.block_sizes if source != "default" else None)

@@ -9,6 +9,7 @@ this module; it imports none of them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -17,6 +18,7 @@ import numpy as np
 
 from flash_layers import dropout, lowering, masks
 from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry
+from flash_layers.tuning import cache as tuning_cache
 
 log = logging.getLogger("flash_layers")
 
@@ -232,6 +234,9 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   slopes = _check_alibi(alibi_slopes, h)
   bias = _check_bias(bias, (b, h, t, s))
   precision = resolve_precision(precision, query.dtype)
+  if isinstance(block_sizes, str) and block_sizes != tuning_cache.AUTOTUNE:
+    raise ValueError(f"block_sizes must be a block-size object, None or {tuning_cache.AUTOTUNE!r}; "
+                     f"got {block_sizes!r}")
   request = Request(
       batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kvh, head_dim=d, head_dim_v=dv,
       dtype=jnp.dtype(query.dtype).name, spec=spec, has_segment_ids=q_seg is not None,
@@ -322,26 +327,58 @@ def _run(name: str, query, key, value, request: Request, args: Args):
     return REGISTRY[name].attend(query, key, value, request=request, args=args)
 
 
-def _by_platform(impl: str, request: Request, run, query, key, value):
-  """``run(name, q, k, v)`` with the impl `impl` resolves to. For "auto", whose choice may differ
-  by platform, the choice follows the platform the computation is lowered for, so that an AOT
-  compile for TPU from a CPU host runs the TPU choice."""
-  here = lowering.default_platform()
+def _tuned_impl_allowed(impl: str, tuned: str, request: Request, platform: str) -> bool:
+  """A cache entry may choose among the impls "auto" itself may take on this platform (the same
+  contract, never `reference`), or confirm the explicit impl it was tuned for."""
   if impl != AUTO:
-    resolve(impl, request, here)
-    return run(impl, query, key, value)
-  name, reason = resolve(AUTO, request, here)
+    return tuned == impl
+  allowed = {name for name, _ in _auto_candidates(request, platform)} - {"reference"}
+  return tuned in allowed and REGISTRY[tuned].unsupported(request, platform) is None
+
+
+def choose(impl: str, request: Request, platform: str) -> tuple[str, str, Request, str]:
+  """(impl name, reason, the request it runs, where its configuration came from).
+
+  `resolve`, plus the tuning cache (flash_layers/tuning): "auto" without block sizes, and any impl
+  with ``block_sizes="autotune"``, take the cached configuration for this device and shape bucket
+  when there is one. The source is "tuned (cache hit)", "shipped" or "default".
+  """
+  autotune = isinstance(request.block_sizes, str) and request.block_sizes == tuning_cache.AUTOTUNE
+  if autotune:
+    request = dataclasses.replace(request, block_sizes=None)
+  if autotune or (impl == AUTO and request.block_sizes is None):
+    tuned = tuning_cache.lookup(impl, request, platform)
+    if tuned is not None and _tuned_impl_allowed(impl, tuned.impl, request, platform):
+      resolve(tuned.impl, request, platform)  # an explicit impl still refuses what it cannot serve
+      reason = "measured fastest for this shape bucket on this device"
+      seconds, default = tuned.entry.get("seconds"), tuned.entry.get("default_seconds")
+      if seconds and default:
+        reason += f" ({1e3 * seconds:.1f} ms vs {1e3 * default:.1f} ms untuned, {tuned.entry.get('mode')})"
+      return tuned.impl, reason, dataclasses.replace(request, block_sizes=tuned.block_sizes), tuned.source
+  name, reason = resolve(impl, request, platform)
+  return name, reason, request, tuning_cache.SOURCE_DEFAULT
+
+
+def _by_platform(impl: str, request: Request, run, query, key, value):
+  """``run(name, request, q, k, v)`` with the impl `impl` resolves to (and its tuned configuration,
+  `choose`). For "auto", whose choice may differ by platform, the choice follows the platform the
+  computation is lowered for, so that an AOT compile for TPU from a CPU host runs the TPU choice."""
+  here = lowering.default_platform()
+  name, reason, chosen, _ = choose(impl, request, here)
+  if impl != AUTO:
+    return run(name, chosen, query, key, value)
   _log_auto_choice(request, here, name, reason)
-  choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
+  choices = {p: choose(AUTO, request, p)[::2] for p in _DISPATCH_PLATFORMS}
+  choices[here] = (name, chosen)
   if len(set(choices.values())) == 1:
-    return run(name, query, key, value)
-  branches = {p: (lambda q, k, v, n=n: run(n, q, k, v)) for p, n in choices.items()}
+    return run(name, chosen, query, key, value)
+  branches = {p: (lambda q, k, v, c=c: run(*c, q, k, v)) for p, c in choices.items()}
   return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
 
 
 def attend(query, key, value, *, impl: str, request: Request, args: Args):
   """Run an already-validated request; returns (out, lse). Used by `attention` and the ring."""
-  return _by_platform(impl, request, lambda n, q, k, v: _run(n, q, k, v, request, args),
+  return _by_platform(impl, request, lambda n, r, q, k, v: _run(n, q, k, v, r, args),
                       query, key, value)
 
 
@@ -363,5 +400,5 @@ def attend_backward(query, key, value, lse, delta, d_out, *, impl: str, request:
   """
   return _by_platform(
       impl, request,
-      lambda n, q, k, v: _run_backward(n, q, k, v, lse, delta, d_out, request, args),
+      lambda n, r, q, k, v: _run_backward(n, q, k, v, lse, delta, d_out, r, args),
       query, key, value)

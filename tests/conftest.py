@@ -9,3 +9,14 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # pytest -n 2 runs tests in two processes; each may load libtpu for AOT compiles.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+import atexit  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+# The autotuner's cache (flash_layers/tuning): a directory of this test process's own, never the
+# user's ~/.cache, and no shipped tables, so "auto" follows its fixed rule in every other test.
+_TUNING_DIR = tempfile.mkdtemp(prefix="fl-tuning-")
+atexit.register(shutil.rmtree, _TUNING_DIR, True)
+os.environ["FLASH_LAYERS_TUNING_DIR"] = _TUNING_DIR
+os.environ["FLASH_LAYERS_TUNING_SHIPPED"] = "0"

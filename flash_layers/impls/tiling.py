@@ -100,3 +100,30 @@ class GpuBlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"GpuBlockSizes.{field} must be an int >= 1; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuBlockSizes:
+  """What the CPU layouts tune (None: the impl's default, the value the autotuner starts from).
+
+  block_q / block_kv: xla_chunked's chunk lengths (clamped to the sequence, `xla_chunked.chunk_size`).
+  loop_bytes: the per-row/per-head loop threshold (`impls/cpu_loop.py`): a call whose float32
+    logits tile over every row and head exceeds this many bytes runs one batch row and kv head at
+    a time. 0 always loops; a huge value never does.
+  The flash_pallas and jax_splash families ignore these sizes, as they ignore each other's.
+  """
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  loop_bytes: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "loop_bytes"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"CpuBlockSizes.{name} must be an int or None; got {value!r}")
+      if value < (0 if name == "loop_bytes" else 8) or (name != "loop_bytes" and value % 8):
+        allowed = "an int >= 0" if name == "loop_bytes" else "a positive multiple of 8"
+        raise ValueError(f"CpuBlockSizes.{name} must be {allowed}; got {value}")

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flash_layers.impls.base import Request
-from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes
+from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, CpuBlockSizes, GpuBlockSizes
 
 KiB = 1024
 
@@ -153,7 +153,7 @@ def override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
   `GpuBlockSizes` replaces the table entry, the TPU family's `BlockSizes` is not
   for us.
   """
-  if block_sizes is None or isinstance(block_sizes, BlockSizes):
+  if block_sizes is None or isinstance(block_sizes, (BlockSizes, CpuBlockSizes)):
     return base
   if isinstance(block_sizes, GpuBlockSizes):
     return block_sizes
@@ -209,7 +209,8 @@ def candidates(request: Request, generation: str | None = None) -> list[GpuBlock
   `CANDIDATE_BLOCKS`, `CANDIDATE_WARPS` and `CANDIDATE_STAGES`, as the kernels would use them
   (tiles fit to the lengths, duplicates dropped), whose `shared_memory_bytes` in the request's
   dtype fits the generation's shared memory (`SHARED_MEMORY`). `generation` defaults to the
-  local GPU's.
+  local GPU's. The forward kernel uses only the forward half and the backward kernels only the
+  backward half, so a tuner may time the halves apart instead of their full product.
   """
   generation = generation if generation is not None else gpu_generation()
   budget = SHARED_MEMORY[generation]
