@@ -77,7 +77,7 @@ class Plan:
 
 
 DRY_RUN = Plan(dtypes=("float32",), lengths=(256,), masks=("documents",), tokens=256, repeats=1,
-               inner=2, input_sets=1, interpret=True)
+               inner=1, input_sets=1, interpret=True)
 
 
 def generation(device_kind: str) -> str | None:

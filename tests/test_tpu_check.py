@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -60,3 +62,21 @@ def test_flops_and_mfu_table():
                                         ("xla_native", 0.004, 49.2))]
   assert tpu_check.markdown(rows).splitlines()[-1] == (
       "| causal | 4096 | fwd | 2 (98.5, 50%) | 3 (65.7, 33%) | 4 (49.2, 25%) | 1.50 |")
+
+
+def test_repeated_step_runs_inner_times_on_shifted_inputs():
+  """The timed executable applies the step `inner` times, the i-th on q shifted by i * 1e-3 (so
+  nothing is hoisted), and returns the last step's result."""
+  calls = []
+
+  def step(q, k):
+    calls.append(None)  # traced once per distinct call site: the first step and the loop body
+    return q * k
+
+  q, k = jnp.zeros((4,), jnp.float32), jnp.full((4,), 2.0)
+  out = tpu_check._repeated(step, 3)(q, k)
+  np.testing.assert_allclose(np.asarray(out), 2 * 2e-3, rtol=1e-6)
+  assert len(calls) == 2
+  assert tpu_check._repeated(step, 1) is step
+  text = str(jax.make_jaxpr(tpu_check._repeated(step, 3))(q, k))
+  assert "while" in text or ("scan" in text and "unroll=1" in text)  # one loop, not unrolled
