@@ -40,15 +40,14 @@ CPU_CHUNKED_MIN_KV_LEN = 1024
 # they hold, so a Request and the jit caches key on the value, not on its type.
 
 def as_array(name: str, x):
-  """An array argument as a jax array; jax arrays (tracers included), `jax.ShapeDtypeStruct`s
-  (explain on abstract arguments) and None pass through unchanged."""
+  """An array argument as a jax array: a NumPy array or scalar, or a Python number, is converted;
+  jax arrays (tracers included), `jax.ShapeDtypeStruct`s (explain on abstract arguments) and None
+  pass through unchanged; anything else (a list, a string) is a TypeError naming the argument."""
   if x is None or isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
     return x
-  try:
+  if isinstance(x, (np.ndarray, np.generic, int, float, complex)):
     return jnp.asarray(x)
-  except TypeError:
-    raise TypeError(f"{name} must be an array (NumPy or jax) or a Python number; "
-                    f"got {type(x).__name__}") from None
+  raise TypeError(f"{name} must be an array (NumPy or jax) or a Python number; got {type(x).__name__}")
 
 
 def as_static(name: str, value, *, traced_ok: bool = False):
@@ -180,6 +179,8 @@ def _check_dropout(rate, rng, broadcast):
 def _check_alibi(slopes, num_heads):
   if slopes is None:
     return None
+  if isinstance(slopes, (list, tuple)):
+    slopes = np.asarray(slopes)
   slopes = as_array("alibi_slopes", slopes)
   if not jnp.issubdtype(slopes.dtype, jnp.floating) or tuple(slopes.shape) != (num_heads,):
     raise ValueError(f"alibi_slopes must be a float array [num_heads]=({num_heads},) "
@@ -367,7 +368,7 @@ def _signature(r: Request) -> str:
 
 
 # Platforms whose choice may differ: the call is lowered with one branch per platform.
-_DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda")
+_DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
 
 
 def _run(name: str, query, key, value, request: Request, args: Args):
