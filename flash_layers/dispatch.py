@@ -45,8 +45,8 @@ def as_array(name: str, x):
   pass through unchanged; anything else (a list, a string) is a TypeError naming the argument."""
   if x is None or isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
     return x
-  if isinstance(x, (np.ndarray, np.generic, int, float, complex)):
-    return jnp.asarray(x)
+  if isinstance(x, (np.ndarray, np.generic, int, float)):
+    return jnp.asarray(np.asarray(x))  # via NumPy: a Python number is strongly typed, as NumPy's
   raise TypeError(f"{name} must be an array (NumPy or jax) or a Python number; got {type(x).__name__}")
 
 
