@@ -390,7 +390,9 @@ def _by_platform(impl: str, request: Request, run, query, key, value):
   choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
   if len(set(choices.values())) == 1:
     return run(name, query, key, value)
-  branches = {p: (lambda q, k, v, n=n: run(n, q, k, v)) for p, n in choices.items()}
+  # One callable per impl: platform_dependent traces a callable shared by platforms once.
+  runners = {n: (lambda q, k, v, n=n: run(n, q, k, v)) for n in set(choices.values())}
+  branches = {p: runners[n] for p, n in choices.items()}
   return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
 
 

@@ -134,10 +134,12 @@ def _by_family(request: Request, q, k, v, shapes, run):
       raise ValueError(message)
     return run(forced, True)(q, k, v)
 
+  runners = {}  # one callable per family: platform_dependent traces a shared one once (cuda, rocm)
+
   def branch(family: str, interpret: bool, platform: str | None):
     message = wrong_block_sizes(request, family, _where(platform))
     if message is None:
-      return run(family, interpret)
+      return runners.setdefault((family, interpret), run(family, interpret))
     return lambda q, k, v: tuple(lowering.fails_when_lowered(message, shapes, q, k, v))
 
   return jax.lax.platform_dependent(q, k, v, tpu=branch("tpu", False, "tpu"),
