@@ -26,7 +26,6 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
-  cli.default_to_cpu_without_accelerator()
   distributed.initialize_from_flags()
   from flash_layers.training import evaluate
   evaluate.evaluate_checkpoint(FLAGS.config, FLAGS.workdir, checkpoint=FLAGS.checkpoint,

@@ -27,7 +27,6 @@ flags.mark_flags_as_required(["config"])
 def main(argv):
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
-  cli.default_to_cpu_without_accelerator(needs_libtpu=bool(FLAGS.aot_topology))
   if FLAGS.aot_topology:
     from flash_layers.training import aot
     aot.dry_run(FLAGS.config, FLAGS.aot_topology, FLAGS.aot_num_slices)

@@ -33,8 +33,8 @@ import numpy as np
 
 import flash_layers as fl
 from benchmarks import cases
-from flash_layers import dispatch, lowering
-from flash_layers.impls import REGISTRY
+from flash_layers import dispatch, host, lowering
+from flash_layers.impls import REGISTRY, registry
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -65,7 +65,8 @@ def tpu_aot_target(topology: str) -> Target:
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   name = topology if ":" in topology else f"{topology}:1x1"
   try:
-    desc = topologies.get_topology_desc(name, "tpu")
+    with host.quiet_libtpu():
+      desc = topologies.get_topology_desc(name, "tpu")
   except Exception as e:  # libtpu missing, or an unknown chip name
     raise ValueError(f"--tpu-aot {topology!r}: cannot describe TPU topology {name!r} "
                      f"(is libtpu installed? chips like v4, v5e, v5p, v6e): {e}") from None
@@ -159,7 +160,7 @@ def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int |
   request, args = dispatch.prepare(q, k, v, **kwargs)
   name, _ = dispatch.resolve(impl, request, target.platform)
   chosen = REGISTRY[name]
-  stats = getattr(chosen, "block_stats", None)
+  stats = registry.method(name, "block_stats")
   visited, total = (stats(request, args, target.platform) or (None, None)) if stats else (None, None)
   return chosen.kernel(request, target.platform), visited, total
 

@@ -47,10 +47,11 @@ def compile_ring(args) -> dict:
   from jax.sharding import PartitionSpec as P
 
   import flash_layers as fl
-  from flash_layers import parallel
+  from flash_layers import host, parallel
 
   try:
-    devices = topologies.get_topology_desc(args.topology, "tpu").devices
+    with host.quiet_libtpu():
+      devices = topologies.get_topology_desc(args.topology, "tpu").devices
   except Exception as e:  # libtpu missing, or an unknown slice name
     raise SystemExit(f"--topology {args.topology!r}: cannot describe this TPU slice "
                      f"(is libtpu installed? e.g. v5p:2x2x2, v5e:4x4): {e}") from None

@@ -101,12 +101,13 @@ def compile_step(args) -> dict:
   from jax.experimental import topologies
 
   import flash_layers as fl
-  from flash_layers import dispatch, masks
+  from flash_layers import dispatch, host, masks
   from flash_layers.impls import jax_splash
-  from flash_layers.impls.flash_pallas import tpu
+  from flash_layers.impls.flash_pallas import tpu_config
 
   try:
-    device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
+    with host.quiet_libtpu():
+      device = topologies.get_topology_desc(TOPOLOGIES[args.generation], "tpu").devices[0]
   except Exception as e:  # libtpu missing
     raise SystemExit(f"--generation {args.generation}: cannot describe this TPU (is libtpu "
                      f"installed? pip install -e .[tpu-aot]): {e}") from None
@@ -135,7 +136,10 @@ def compile_step(args) -> dict:
     request, _ = dispatch.prepare(q, kv, kv, causal=causal)
     block_sizes = f"splash {jax_splash.splash_block_sizes(request)}"
   else:
-    block_sizes = str(tpu.default_block_sizes(args.generation))
+    block_sizes = str(tpu_config.default_block_sizes(args.generation))
+  # Each Mosaic kernel's own CostEstimate of the HBM bytes it moves (in the lowered module).
+  estimates = {name: int(nbytes) for nbytes, name in re.findall(
+      r'bytes_accessed\\22:(\d+)[^\n]*?kernel_name = "(\w+)"', lowered.as_text())}
   sizes = {name: int(getattr(memory, f"{name}_size_in_bytes")) for name in
            ("argument", "output", "temp", "generated_code")}
   try:
@@ -154,6 +158,7 @@ def compile_step(args) -> dict:
       # forward 4d, dK/dV 8d, dQ 6d per visible pair and head (mask without segment ids)
       "flops_analytic": float(pairs * args.batch * args.heads * 18 * d),
       "mosaic_kernels": sorted(re.sub(r"\.\d+$", "", k) for k in kernels),
+      "kernel_bytes_accessed": estimates,
   }
 
 

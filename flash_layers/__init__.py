@@ -5,13 +5,18 @@
     print(fl.explain(q, k, v, causal=True))
 """
 
-from flash_layers.api import Explanation, attention, explain
-from flash_layers.dropout import alibi_slopes, dropout_mask
-from flash_layers.impls import IMPLS, UnsupportedError
-from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
-from flash_layers.layers import MultiHeadAttention, attention_fn
-from flash_layers.lowering import interpret_as
-from flash_layers.parallel import LOGICAL_RULES, make_mesh
+from flash_layers import host as _host
+
+# Before jax starts a backend: on a CPU-only host with libtpu installed, the CPU, quietly.
+_host.default_to_cpu_without_accelerator()
+
+from flash_layers.api import Explanation, attention, explain  # noqa: E402
+from flash_layers.dropout import alibi_slopes, dropout_mask  # noqa: E402
+from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
+from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes  # noqa: E402
+from flash_layers.layers import MultiHeadAttention, attention_fn  # noqa: E402
+from flash_layers.lowering import interpret_as  # noqa: E402
+from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
 
 __all__ = ["IMPLS", "LOGICAL_RULES", "BlockSizes", "Explanation", "GpuBlockSizes", "MultiHeadAttention",
            "UnsupportedError", "alibi_slopes", "attention", "attention_fn", "dropout_mask", "explain",

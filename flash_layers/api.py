@@ -13,7 +13,7 @@ import jax
 
 from flash_layers import dispatch, lowering
 from flash_layers.dispatch import AUTO, attend, prepare, resolve
-from flash_layers.impls import REGISTRY
+from flash_layers.impls import REGISTRY, registry
 from flash_layers.parallel import sharded
 
 __all__ = ["AUTO", "Explanation", "attention", "explain"]
@@ -146,12 +146,10 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   name, reason = resolve(impl, request if plan is None else plan.local, here)
   chosen = REGISTRY[name]
   visited = total = None
-  block_stats = getattr(chosen, "block_stats", None)
-  if block_stats is not None:
-    stats = block_stats(request, args, here)
+  if registry.impl_has(name, "block_stats"):
+    stats = chosen.block_stats(request, args, here)
     if stats is not None:
       visited, total = stats
-  steps = getattr(chosen, "grid_steps", None)
-  steps = None if steps is None else steps(request, args, here)
+  steps = chosen.grid_steps(request, args, here) if registry.impl_has(name, "grid_steps") else None
   sharding = None if plan is None else plan.describe(request)
   return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps)

@@ -5,14 +5,10 @@
 
 from __future__ import annotations
 
-import os
+import jax
+import jax.numpy as jnp
 
-os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")  # quiet libtpu on hosts without a TPU
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-import flash_layers as fl  # noqa: E402
+import flash_layers as fl
 
 
 def main() -> None:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import dropout, lowering, masks
-from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError
+from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry
 
 log = logging.getLogger("flash_layers")
 
@@ -403,10 +403,10 @@ def attend(query, key, value, *, impl: str, request: Request, args: Args):
 
 
 def _run_backward(name: str, query, key, value, lse, delta, d_out, request: Request, args: Args):
-  impl = REGISTRY[name]
   # Impls without a backward of their own (reference, xla_native: dense anyway) use xla_dense's:
   # plain XLA from the same statistics.
-  backward = getattr(impl, "attention_backward", None) or REGISTRY["xla_dense"].attention_backward
+  backward = registry.method(name, "attention_backward") or registry.method("xla_dense",
+                                                                            "attention_backward")
   with jax.named_scope(f"flash_layers.{name}.backward"):
     return backward(query, key, value, lse, delta, d_out, request=request, args=args)
 

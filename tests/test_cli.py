@@ -15,14 +15,14 @@ import sys
 
 import pytest
 
-from flash_layers.training import cli
+from flash_layers import host
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 300
 # What libtpu (or jax, failing to start it) prints when it probes for a TPU that is not there.
 LIBTPU_NOISE = ("TPU accelerator type", "host bounds", "Source Location Trace", "InitGoogle", "libtpu",
                 "Unable to initialize backend")
-CPU_ONLY = not cli.accelerator_present()
+CPU_ONLY = not host.accelerator_present()
 
 
 def user_env() -> dict:
@@ -145,27 +145,3 @@ def test_a_bug_keeps_its_traceback(files):
   result = run("train.py", "--config", files["buggy"], "--workdir", files["root"] / "run_bug")
   assert result.returncode not in (0, 2)
   assert "Traceback" in result.stderr and "KeyError: 'missing'" in result.stderr
-
-
-# ----------------------------------------------------------------------------
-# The platform default (in process)
-# ----------------------------------------------------------------------------
-
-def test_cpu_default_respects_the_users_choice_and_the_dry_run(monkeypatch):
-  monkeypatch.setattr(cli, "accelerator_present", lambda: False)
-  monkeypatch.setenv("JAX_PLATFORMS", "")  # set, even empty: the user chose
-  assert cli.default_to_cpu_without_accelerator() is False
-  monkeypatch.delenv("JAX_PLATFORMS")
-  assert cli.default_to_cpu_without_accelerator(needs_libtpu=True) is False
-  assert "JAX_PLATFORMS" not in os.environ
-  monkeypatch.setattr(cli, "accelerator_present", lambda: True)
-  assert cli.default_to_cpu_without_accelerator() is False
-  assert "JAX_PLATFORMS" not in os.environ
-
-
-@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None, reason="the default only matters with libtpu")
-def test_cpu_default_applies_without_a_choice_or_an_accelerator(monkeypatch):
-  monkeypatch.setattr(cli, "accelerator_present", lambda: False)
-  monkeypatch.delenv("JAX_PLATFORMS")  # restored (to conftest's "cpu") afterwards
-  assert cli.default_to_cpu_without_accelerator() is True
-  assert os.environ["JAX_PLATFORMS"] == "cpu"

@@ -15,7 +15,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers import dispatch
-from flash_layers.impls.flash_pallas import gpu
+from flash_layers.impls.flash_pallas import gpu, gpu_config
 
 
 def _inputs(b=1, t=40, s=40, h=4, kvh=2, d=32, dv=None, dtype=jnp.float32, seed=0):
@@ -132,25 +132,26 @@ def test_block_size_override_changes_tiles_not_results():
 
 def test_bad_block_sizes_name_the_field():
   with pytest.raises(ValueError, match="block_q"):
-    gpu.GpuBlockSizes(block_q=48)
+    fl.GpuBlockSizes(block_q=48)
   with pytest.raises(ValueError, match="num_warps"):
-    gpu.GpuBlockSizes(num_warps=3)
+    fl.GpuBlockSizes(num_warps=3)
   with pytest.raises(TypeError, match="GpuBlockSizes"):
-    gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], {"block_q": 64})
+    gpu_config.override(gpu_config.CONFIG_TABLE[("hopper", 64)], {"block_q": 64})
   # The TPU family's sizes are for the TPU kernels: the GPU keeps its table entry.
-  assert gpu._override(gpu.CONFIG_TABLE[("hopper", 64)], fl.BlockSizes()) == gpu.CONFIG_TABLE[("hopper", 64)]
+  hopper64 = gpu_config.CONFIG_TABLE[("hopper", 64)]
+  assert gpu_config.override(hopper64, fl.BlockSizes()) == hopper64
 
 
 def test_config_table_covers_generations_and_head_dims():
   for generation in ("hopper", "ampere", "ada"):
     for bucket in (64, 128, 256):
-      assert isinstance(gpu.CONFIG_TABLE[(generation, bucket)], gpu.GpuBlockSizes)
+      assert isinstance(gpu_config.CONFIG_TABLE[(generation, bucket)], fl.GpuBlockSizes)
   # No GPU here: Hopper defaults; tiles shrink to short sequences but never below 16.
-  assert gpu.gpu_generation() == "hopper"
+  assert gpu_config.gpu_generation() == "hopper"
   q, k, v = _inputs(t=5, s=300, d=128, dtype=jnp.bfloat16)
   request, _ = dispatch.prepare(q, k, v)
-  assert gpu.block_shape(request, "cuda") == (16, gpu.CONFIG_TABLE[("hopper", 128)].block_kv)
-  assert [gpu.generation_of(c) for c in ("9.0", "10.0", "8.0", "8.7", "8.6", "8.9", "12.0")] == [
+  assert gpu.block_shape(request, "cuda") == (16, gpu_config.CONFIG_TABLE[("hopper", 128)].block_kv)
+  assert [gpu_config.generation_of(c) for c in ("9.0", "10.0", "8.0", "8.7", "8.6", "8.9", "12.0")] == [
       "hopper", "hopper", "ampere", "ampere", "ada", "ada", "ada"]
 
 
@@ -168,18 +169,18 @@ def _smem(cfg, d, itemsize):
 def test_every_table_entry_fits_its_shared_memory(generation):
   budget = {"hopper": 227 * 1024, "ampere": 163 * 1024, "ada": 99 * 1024}[generation]
   for bucket in (64, 128, 256):
-    cfg = gpu.CONFIG_TABLE[(generation, bucket)]
-    assert gpu.shared_memory_bytes(cfg, bucket, bucket, 2) == _smem(cfg, bucket, 2)
+    cfg = gpu_config.CONFIG_TABLE[(generation, bucket)]
+    assert gpu_config.shared_memory_bytes(cfg, bucket, bucket, 2) == _smem(cfg, bucket, 2)
     assert _smem(cfg, bucket, 2) <= budget, (generation, bucket, _smem(cfg, bucket, 2) / 1024)
   # Hopper's d128 forward uses most of it (192 KiB): the table is not sized far below the budget.
-  assert _smem(gpu.CONFIG_TABLE[("hopper", 128)], 128, 2) == 192 * 1024
+  assert _smem(gpu_config.CONFIG_TABLE[("hopper", 128)], 128, 2) == 192 * 1024
 
 
 def test_float32_tiles_are_cut_to_fit():
   q, k, v = _inputs(t=4096, s=4096, h=1, kvh=1, d=128)
   request, _ = dispatch.prepare(q, k, v)
-  cfg = gpu.config(request)
-  assert _smem(gpu.CONFIG_TABLE[("hopper", 128)], 128, 4) > 227 * 1024  # as tabled: too big
+  cfg = gpu_config.config(request)
+  assert _smem(gpu_config.CONFIG_TABLE[("hopper", 128)], 128, 4) > 227 * 1024  # as tabled: too big
   assert _smem(cfg, 128, 4) <= 227 * 1024 and cfg.block_q == 128
 
 
@@ -212,7 +213,8 @@ def test_explain_reports_about_half_the_blocks_for_causal():
   with fl.interpret_as("gpu"):
     info = fl.explain(*_shapes(2, 4096, 4, 128), impl="flash_pallas", causal=True)
   assert 0.45 <= info.block_fraction <= 0.55, str(info)
-  block_q, block_kv = gpu.CONFIG_TABLE[("hopper", 128)].block_q, gpu.CONFIG_TABLE[("hopper", 128)].block_kv
+  hopper128 = gpu_config.CONFIG_TABLE[("hopper", 128)]
+  block_q, block_kv = hopper128.block_q, hopper128.block_kv
   assert info.blocks_total == 2 * 4 * (4096 // block_q) * (4096 // block_kv)
 
 

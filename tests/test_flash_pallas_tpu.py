@@ -16,7 +16,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers import dispatch
-from flash_layers.impls.flash_pallas import tpu
+from flash_layers.impls.flash_pallas import tpu, tpu_config
 
 
 def _inputs(b=1, t=40, s=None, h=4, kvh=2, d=32, dv=None, dtype=jnp.float32, seed=0):
@@ -135,18 +135,18 @@ def test_gqa_group_shares_the_forward_tile():
     ("v4", 8, 1, ((128, 512), 8)),  # 16 MiB of VMEM: block_q halves until 8 heads fit
 ])
 def test_forward_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, kv_heads, expected):
-  monkeypatch.setattr(tpu, "tpu_generation", lambda: generation)
+  monkeypatch.setattr(tpu_config, "tpu_generation", lambda: generation)
   q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
   request, _ = dispatch.prepare(q, kv, kv)
-  blocks = tpu.default_block_sizes(generation)
-  tiles = tpu._forward_tiles(request, (blocks.block_q, blocks.block_kv), token_major=True)
+  blocks = tpu_config.default_block_sizes(generation)
+  tiles = tpu_config.forward_tiles(request, (blocks.block_q, blocks.block_kv), token_major=True)
   assert tiles == expected
   (block_q, block_kv), group = tiles
-  budget = 3 * tpu.VMEM_CAPACITY[generation] // 4
-  assert tpu._vmem_need(128, 128, block_q, block_kv, 2, group) <= budget
+  budget = 3 * tpu_config.VMEM_CAPACITY[generation] // 4
+  assert tpu_config.vmem_need(128, 128, block_q, block_kv, 2, group) <= budget
   if block_q < blocks.block_q:  # shrunk: twice the rows would not have fitted
-    assert tpu._vmem_need(128, 128, 2 * block_q, block_kv, 2, group) > budget
+    assert tpu_config.vmem_need(128, 128, 2 * block_q, block_kv, 2, group) > budget
 
 
 @pytest.mark.parametrize(("generation", "heads", "kv_heads", "expected"), [
@@ -155,16 +155,16 @@ def test_forward_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, 
     ("v4", 8, 1, 4),  # 16 MiB of VMEM: block_q_bwd stays 256, the heads halve until they fit
 ])
 def test_dq_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, kv_heads, expected):
-  monkeypatch.setattr(tpu, "tpu_generation", lambda: generation)
+  monkeypatch.setattr(tpu_config, "tpu_generation", lambda: generation)
   q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
   request, _ = dispatch.prepare(q, kv, kv)
-  bwd = tpu.default_block_sizes(generation).backward
-  assert tpu._dq_tile_heads(request, bwd, token_major=True) == expected
-  budget = 3 * tpu.VMEM_CAPACITY[generation] // 4
-  assert tpu._vmem_need(128, 128, *bwd, 2, expected) <= budget
-  if expected < min(heads // kv_heads, tpu.MAX_TILE_HEADS):  # shrunk: twice the heads did not fit
-    assert tpu._vmem_need(128, 128, *bwd, 2, 2 * expected) > budget
+  bwd = tpu_config.default_block_sizes(generation).backward
+  assert tpu_config.dq_tile_heads(request, bwd, token_major=True) == expected
+  budget = 3 * tpu_config.VMEM_CAPACITY[generation] // 4
+  assert tpu_config.vmem_need(128, 128, *bwd, 2, expected) <= budget
+  if expected < min(heads // kv_heads, tpu_config.MAX_TILE_HEADS):  # shrunk: twice the heads did not fit
+    assert tpu_config.vmem_need(128, 128, *bwd, 2, 2 * expected) > budget
 
 
 def test_invisible_blocks_are_skipped_not_masked():
@@ -200,9 +200,9 @@ def test_explain_counts_packed_documents_and_causal_blocks():
 
 
 def test_block_sizes_table_and_validation():
-  assert set(tpu.DEFAULT_BLOCK_SIZES) == {"v4", "v5e", "v5p", "v6e"}
-  assert tpu.default_block_sizes("v6e") == tpu.DEFAULT_BLOCK_SIZES["v6e"]
-  assert tpu.default_block_sizes(None) == tpu.GENERIC_BLOCK_SIZES
+  assert set(tpu_config.DEFAULT_BLOCK_SIZES) == {"v4", "v5e", "v5p", "v6e"}
+  assert tpu_config.default_block_sizes("v6e") == tpu_config.DEFAULT_BLOCK_SIZES["v6e"]
+  assert tpu_config.default_block_sizes(None) == tpu_config.GENERIC_BLOCK_SIZES
   assert fl.BlockSizes(256, 512).backward == (256, 512)
   with pytest.raises(ValueError, match="block_kv.*multiple of 128"):
     fl.BlockSizes(block_q=128, block_kv=200)
@@ -240,7 +240,7 @@ def test_block_plans_grow_linearly_and_oversized_ones_are_refused():
   seg = np.repeat(np.arange(32, dtype=np.int32), 8192)[None]  # 32 documents of 8,192 tokens
   served, _ = dispatch.prepare(q, q, q, causal=True, segment_ids=seg)
   assert tpu.unsupported(served) is None
-  assert tpu._plan_words(served, (512, 512)) == 2 * 512 + 4 * (512 + 512)
+  assert tpu_config.plan_words(served, (512, 512)) == 2 * 512 + 4 * (512 + 512)
   # 2^26 tokens at 512-token tiles: 2 x 131,072 plan words, more than SMEM's share.
   q = jax.ShapeDtypeStruct((1, 2**26, 1, 64), jnp.bfloat16)
   too_big, _ = dispatch.prepare(q, q, q, causal=True)

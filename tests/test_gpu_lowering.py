@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import pytest
 
 import flash_layers as fl
-from flash_layers.impls.flash_pallas import gpu
+from flash_layers.impls.flash_pallas import gpu_config
 
 
 def _can_lower_triton_for_cuda() -> bool:
@@ -87,7 +87,7 @@ def test_forward_and_backward_lower_to_our_triton_kernels(name):
 def test_launch_parameters_come_from_the_config_table():
   specs = _specs(1, 256, 2, 2, 128)
   text = _lower_for_cuda(lambda q, k, v: fl.attention(q, k, v, impl="flash_pallas"), *specs)
-  assert NUM_WARPS.findall(text) == [str(gpu.CONFIG_TABLE[("hopper", 128)].num_warps)]
+  assert NUM_WARPS.findall(text) == [str(gpu_config.CONFIG_TABLE[("hopper", 128)].num_warps)]
   override = fl.GpuBlockSizes(num_warps=2)
   text = _lower_for_cuda(lambda q, k, v: fl.attention(q, k, v, impl="flash_pallas", block_sizes=override),
                          *specs)

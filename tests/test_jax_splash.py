@@ -11,7 +11,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers import dispatch
-from flash_layers.impls import REGISTRY
+from flash_layers.impls import REGISTRY, registry
 
 B, T, S, H, KVH, D = 1, 200, 160, 2, 1, 32
 
@@ -100,5 +100,7 @@ def test_refuses_gpus_and_traced_offsets():
     return dispatch.attend(q, k, v, impl="jax_splash", request=request,
                            args=dispatch.prepare(q, k, v, causal=True, q_offset=q_offset)[1])
 
-  with pytest.raises(fl.UnsupportedError, match="traced position offsets"):
+  with pytest.raises(fl.UnsupportedError, match="traced position offsets") as excinfo:
     ring_step(q, k, v, jnp.int32(64))
+  # It names the impls that do, as the registry knows them.
+  assert str(excinfo.value).endswith("impls that do: " + ", ".join(registry.impls_with("traced_offsets")))

@@ -130,7 +130,8 @@ def test_tpu_high_is_bf16x3():
   magnitude = np.abs(a).astype(np.float64) @ np.abs(b).astype(np.float64)
 
   def error(precision):
-    out = tpu._dot(types.SimpleNamespace(precision=precision), jnp.asarray(a), jnp.asarray(b), tpu._NN)
+    call = types.SimpleNamespace(request=types.SimpleNamespace(precision=precision))
+    out = tpu._dot(call, jnp.asarray(a), jnp.asarray(b), tpu._NN)
     return float(np.max(np.abs(np.asarray(out, np.float64) - exact) / magnitude))
 
   high = error(HIGH)

@@ -153,7 +153,7 @@ def test_gqa_forward_streams_kv_once_per_group(generation):
   module) count each K/V tile once per q block and kv head: q, out, lse (dQ: q, dO, dQ, lse, D)
   once, plus K and V x q blocks. With one program per query head they would count K and V 4x as
   often."""
-  from flash_layers.impls.flash_pallas import tpu  # noqa: PLC0415
+  from flash_layers.impls.flash_pallas import tpu_config  # noqa: PLC0415
 
   device = _device(generation)
   placed = jax.sharding.SingleDeviceSharding(device)
@@ -171,7 +171,7 @@ def test_gqa_forward_streams_kv_once_per_group(generation):
   estimates = {name: int(nbytes) for nbytes, name in re.findall(
       r'bytes_accessed\\22:(\d+)[^\n]*?kernel_name = "(\w+)"', lowered.as_text())}
   q_bytes, kv_bytes = t * 8 * d * 2, 2 * t * 2 * d * 2  # q (= out); K and V together
-  blocks = tpu.DEFAULT_BLOCK_SIZES[generation]
+  blocks = tpu_config.DEFAULT_BLOCK_SIZES[generation]
   num_q, num_q_bwd = t // blocks.block_q, t // blocks.backward[0]
   assert estimates["flash_layers_fwd"] == 2 * q_bytes + 8 * t * 4 + kv_bytes * num_q
   assert estimates["flash_layers_bwd_dq"] == 3 * q_bytes + 2 * 8 * t * 4 + kv_bytes * num_q_bwd

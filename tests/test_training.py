@@ -25,8 +25,8 @@ import optax
 import pytest
 import tensorstore
 
+from flash_layers import host
 from flash_layers.training import checkpoint as checkpoint_lib
-from flash_layers.training import cli
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import optimizer as optimizer_lib
@@ -75,7 +75,7 @@ def _env(devices: int = 1, *, as_user: bool = False) -> dict:
   env = dict(os.environ)
   env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_SKIP_MDS_QUERY="1",
              PYTHONPATH=str(REPO), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
-  if as_user and not cli.accelerator_present():
+  if as_user and not host.accelerator_present():
     for name in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
       env.pop(name, None)
   return env
@@ -483,7 +483,7 @@ def reference_run(tmp_path_factory, dataset) -> pathlib.Path:
 
 def test_first_run_prints_no_libtpu_warnings(reference_run):
   """libtpu is installed (for the TPU ahead-of-time tests); on a CPU-only host it must stay quiet."""
-  if cli.accelerator_present() or importlib.util.find_spec("libtpu") is None:
+  if host.accelerator_present() or importlib.util.find_spec("libtpu") is None:
     pytest.skip("only a CPU-only host with libtpu installed can show libtpu's warnings")
   console = (reference_run.parent / "console.txt").read_text()
   assert "finished 240 steps" in console  # our own progress is there

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flash_layers import lowering
+from flash_layers import dispatch, lowering
 from flash_layers.impls import jax_splash
 from flash_layers.parallel import mesh as mesh_lib
 
@@ -75,12 +75,11 @@ def test_splash_kernel_object_and_mask_info():
   _splash_bwd reads .kwargs["mask_function"], .dkv_mask_info and .dq_mask_info, and _collapse
   MaskInfo.partial_mask_blocks with NamedTuple._replace; the forward returns (out, (lse,))."""
   q_len = kv_len = 256
+  spec = jax.ShapeDtypeStruct((1, q_len, 1, 128), jnp.float32)
+  request, _ = dispatch.prepare(spec, spec, spec, causal=True)
   call = jax_splash._SplashCall(
-      jax_splash._Rule(offset=0, causal=True, window=None, kv_len=None), (q_len, kv_len), 1,
-      _splash_kernel().BlockSizes(block_q=128, block_kv=128, block_kv_compute=128, block_q_dkv=128,
-                                  block_kv_dkv=128, block_kv_dkv_compute=128, block_q_dq=128,
-                                  block_kv_dq=128),
-      None, False, True)
+      request=request, rule=jax_splash._Rule(offset=0, causal=True, window=None, kv_len=None),
+      shape=(q_len, kv_len), block_sizes=jax_splash.splash_block_sizes(request), interpret=True)
   run = jax_splash._kernel(call)
   assert "mask_function" in run.kwargs
   for info in (run.dkv_mask_info, run.dq_mask_info):

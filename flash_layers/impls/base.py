@@ -1,7 +1,10 @@
 """What every attention implementation provides.
 
-An impl is a small object registered in `flash_layers.impls.REGISTRY`:
+An impl is a small object satisfying `Impl`, registered in `flash_layers.impls.registry`
+(`impls/__init__.py` registers the shipped ones):
 
+* ``name`` -> its name in `fl.IMPLS`; ``capabilities`` -> the optional capabilities below that it
+  offers (a frozenset of names).
 * ``unsupported(request, platform)`` -> the name of the first feature of the
   request it cannot serve on that platform, or None. `attention()` raises
   `UnsupportedError` for explicit impls and "auto" skips to the next candidate.
@@ -25,10 +28,20 @@ The computation every impl performs (the contract, written once):
 lse is the pre-dropout normaliser because dropout is linear in p: ring attention merges
 per-shard outputs by their lse and gets exactly the dropped-out global softmax.
 
-Optionally ``attention_backward(q, k, v, lse, delta, d_out, *, request, args)`` -> ``(dq, dk, dv)``:
-the gradients from given row statistics (``lse`` the normaliser and ``delta`` = rowsum(dO * O) -
-dlse of the whole softmax the rows belong to), without the forward; ring attention's backward calls
-it with the global statistics (`dispatch.attend_backward`; xla_dense's serves impls without one).
+Optional capabilities, each named in the impl's ``capabilities`` (`CAPABILITIES`) and checked
+when it is registered (`impls/registry.py`: a declared method must exist with the signature below,
+a defined one must be declared); callers ask the registry (`registry.impl_has`,
+`registry.impls_with`), never ``getattr``:
+
+* ``attention_backward(q, k, v, lse, delta, d_out, *, request, args)`` -> ``(dq, dk, dv)``: the
+  gradients from given row statistics (``lse`` the normaliser and ``delta`` = rowsum(dO * O) -
+  dlse of the whole softmax the rows belong to), without the forward; ring attention's backward
+  calls it with the global statistics (`dispatch.attend_backward`; xla_dense's serves impls
+  without one).
+* ``block_stats(request, args, platform)`` -> ``(blocks visited, blocks total)`` or None, and
+  ``grid_steps(request, args, platform)`` -> int or None: what `explain()` reports.
+* ``traced_offsets`` (a feature, no method): causal and window masks whose position offsets are
+  known only at run time (a ring attention step); the conformance and ring tests hold it.
 
 Adding an impl is one module plus one line in `impls/__init__.py`.
 """
@@ -96,8 +109,18 @@ class Args:
   bias: jax.Array | None = None  # float, rank 4, broadcastable to [b, h, q, kv]
 
 
+# The optional capabilities an impl may declare. Methods: the registry checks that a declared one
+# exists and takes the arguments below. Features: a claim the tests check by running it.
+METHOD_CAPABILITIES = ("attention_backward", "block_stats", "grid_steps")
+FEATURE_CAPABILITIES = ("traced_offsets",)
+CAPABILITIES = METHOD_CAPABILITIES + FEATURE_CAPABILITIES
+
+
 class Impl(Protocol):
+  """What every impl provides (see the module docstring)."""
+
   name: str
+  capabilities: frozenset[str]  # the optional capabilities it offers, from CAPABILITIES
 
   def unsupported(self, request: Request, platform: str) -> str | None: ...
 
@@ -105,3 +128,23 @@ class Impl(Protocol):
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, *, request: Request,
              args: Args) -> tuple[jax.Array, jax.Array]: ...
+
+
+class AttentionBackward(Protocol):
+  """Capability "attention_backward": the backward alone, from given row statistics."""
+
+  def attention_backward(self, q: jax.Array, k: jax.Array, v: jax.Array, lse: jax.Array,
+                         delta: jax.Array, d_out: jax.Array, *, request: Request, args: Args
+                         ) -> tuple[jax.Array, jax.Array, jax.Array]: ...
+
+
+class BlockStats(Protocol):
+  """Capability "block_stats": (blocks visited, blocks total) over batch and heads, for explain()."""
+
+  def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None: ...
+
+
+class GridSteps(Protocol):
+  """Capability "grid_steps": the forward kernel's grid steps over batch and heads, for explain()."""
+
+  def grid_steps(self, request: Request, args: Args, platform: str) -> int | None: ...

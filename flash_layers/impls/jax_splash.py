@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import lowering, masks
+from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.tiling import LANES, BlockSizes, round_up
 
@@ -172,16 +173,15 @@ def _padded_lengths(request: Request, sizes) -> tuple[int, int]:
 # The kernels, with a differentiable lse
 # ----------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _SplashCall:
-  """Everything known while tracing (hashable: the custom VJP's static argument)."""
+  """One call as splash sees it: the request and what is derived from it while tracing
+  (hashable: the custom VJP's static argument)."""
 
+  request: Request
   rule: _Rule
   shape: tuple[int, int]  # padded (q_len, kv_len)
-  num_heads: int
-  block_sizes: object  # splash BlockSizes
-  softcap: float | None
-  has_segments: bool
+  block_sizes: object  # splash BlockSizes (`splash_block_sizes`)
   interpret: bool
 
 
@@ -189,9 +189,9 @@ def _kernel(call: _SplashCall):
   """splash's forward kernel (with residuals) and its three block schedules. Built in each trace
   (its schedule arrays are constants of that trace); splash caches the NumPy work per mask."""
   kernel, mask_lib = _splash()
-  mask = mask_lib.MultiHeadMask([_static_mask(call.rule, call.shape)] * call.num_heads)
+  mask = mask_lib.MultiHeadMask([_static_mask(call.rule, call.shape)] * call.request.num_heads)
   return kernel.make_splash_mha(mask, block_sizes=call.block_sizes, head_shards=1, q_seq_shards=1,
-                                save_residuals=True, attn_logits_soft_cap=call.softcap,
+                                save_residuals=True, attn_logits_soft_cap=call.request.softcap,
                                 interpret=call.interpret)
 
 
@@ -201,7 +201,7 @@ def _empty_threshold() -> float:
 
 
 def _segments(call: _SplashCall, q_seg, kv_seg):
-  if not call.has_segments:
+  if not call.request.has_segment_ids:
     return None
   kernel, _ = _splash()
   return kernel.SegmentIds(q=q_seg, kv=kv_seg)
@@ -254,7 +254,7 @@ def _splash_bwd(call: _SplashCall, residuals, cotangents):
   run = _kernel(call)
   sizes = call.block_sizes
   common = dict(is_mqa=False, mask_value=kernel_lib.DEFAULT_MASK_VALUE,
-                attn_logits_soft_cap=call.softcap, q_layout=sizes.q_layout, k_layout=sizes.k_layout,
+                attn_logits_soft_cap=call.request.softcap, q_layout=sizes.q_layout, k_layout=sizes.k_layout,
                 v_layout=sizes.v_layout, mask_function=run.kwargs["mask_function"],
                 interpret=call.interpret)
 
@@ -288,8 +288,8 @@ def _static_offset(args: Args, request: Request) -> int:
   if request.spec.causal or request.spec.window is not None:
     raise UnsupportedError(
         "impl='jax_splash' does not support causal or window masks with traced position offsets "
-        "(ring attention): splash's mask is static; impls that do: flash_pallas, xla_chunked, "
-        "xla_dense, xla_native, reference")
+        "(ring attention): splash's mask is static; impls that do: "
+        + ", ".join(registry.impls_with("traced_offsets")))
   return 0
 
 
@@ -304,8 +304,8 @@ def splash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   q_pad, kv_pad = _padded_lengths(request, sizes)
   rule = _Rule(offset=_static_offset(args, request), causal=request.spec.causal,
                window=request.spec.window, kv_len=request.kv_len if kv_pad != request.kv_len else None)
-  call = _SplashCall(rule, (q_pad, kv_pad), request.num_heads, sizes, request.softcap,
-                     request.has_segment_ids, interpret)
+  call = _SplashCall(request=request, rule=rule, shape=(q_pad, kv_pad), block_sizes=sizes,
+                     interpret=interpret)
 
   def to_kernel_layout(x, length):  # [b, len, h, d] -> [b, h, len_pad, d]
     x = jnp.swapaxes(x, 1, 2)
@@ -323,6 +323,8 @@ def splash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
 
 class JaxSplash:
   name = "jax_splash"
+  # No traced_offsets: splash's mask is static (`_static_offset` refuses traced causal offsets).
+  capabilities = frozenset({"block_stats"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     forced = lowering.interpreting()

@@ -48,6 +48,7 @@ def masked_softmax_attention(q, k, v, mask, scale, softcap, extra=None, keep=Non
 
 class Reference:
   name = "reference"
+  capabilities = frozenset({"traced_offsets"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     return None

@@ -57,24 +57,20 @@ def chunk_size(length: int, target: int) -> int:
   return -(-per_chunk // 8) * 8
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _ChunkedCall:
-  """Everything the traced computation needs that is not an array."""
+  """One call as the traced computation sees it: the request and what is derived from it (not
+  arrays; hashable: a custom_vjp static argument)."""
 
-  spec: masks.MaskSpec
-  scale: float
-  softcap: float | None
-  q_len: int  # unpadded lengths: positions at or beyond them are masked
-  kv_len: int
-  block_q: int
+  request: Request
+  block_q: int   # chunk sizes (`XlaChunked.chunk_shape`)
   block_kv: int
-  num_kv_heads: int
-  group: int  # query heads per kv head
   heads_in_mask: bool  # the dense mask has a head axis (else it broadcasts over heads)
-  dropout_rate: float = 0.0
-  dropout_broadcast: bool = False
   heads_in_bias: bool = False  # the bias has a head axis (else it broadcasts over heads)
-  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every matmul (the request's)
+
+  @property
+  def group(self) -> int:  # query heads per kv head
+    return self.request.num_heads // self.request.num_kv_heads
 
 
 def _dot(st: _ChunkedCall, a, b, spec):
@@ -82,7 +78,7 @@ def _dot(st: _ChunkedCall, a, b, spec):
   against bfloat16 values) meet in float32."""
   if a.dtype != b.dtype:
     a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jnp.einsum(spec, a, b, precision=st.precision, preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, a, b, precision=st.request.precision, preferred_element_type=jnp.float32)
 
 
 class _Extras(NamedTuple):
@@ -110,13 +106,13 @@ class _Row:
     self.slopes = slopes
     self.q_offset, self.kv_offset = ints[0], ints[1]
     self.stream = None
-    if st.dropout_rate > 0:
-      if st.dropout_broadcast:
+    if st.request.dropout_rate > 0:
+      if st.request.dropout_broadcast:
         self.stream = dropout.stream(ints[4:6], 0, 0)[None, None]  # [1, 1]
       else:
-        heads = ints[3] + jnp.arange(st.num_kv_heads * st.group, dtype=jnp.int32)
+        heads = ints[3] + jnp.arange(st.request.num_kv_heads * st.group, dtype=jnp.int32)
         self.stream = dropout.stream(ints[4:6], ints[2] + batch_index,
-                                     heads.reshape(st.num_kv_heads, st.group))  # [kvh, g]
+                                     heads.reshape(st.request.num_kv_heads, st.group))  # [kvh, g]
 
   def positions(self, qb, kb):
     """Global positions (q [bq, 1], kv [1, bk]) of a tile."""
@@ -129,8 +125,8 @@ class _Row:
     if self.stream is None:
       return None
     q_pos, kv_pos = self.positions(qb, kb)
-    kept = dropout.keep(self.stream[..., None, None], q_pos, kv_pos, self.st.dropout_rate)
-    return jnp.where(kept, jnp.float32(dropout.keep_scale(self.st.dropout_rate)), 0.0)
+    kept = dropout.keep(self.stream[..., None, None], q_pos, kv_pos, self.st.request.dropout_rate)
+    return jnp.where(kept, jnp.float32(dropout.keep_scale(self.st.request.dropout_rate)), 0.0)
 
   def bias_tile(self, qb, kb):
     """float32 [kvh|1, g|1, bq, bk] of the dense bias, or None."""
@@ -138,7 +134,7 @@ class _Row:
     tile = jax.lax.dynamic_slice(self.bias, _tile_starts(st, qb, kb),
                                  (self.bias.shape[0], st.block_q, st.block_kv)).astype(jnp.float32)
     if st.heads_in_bias:
-      return tile.reshape(st.num_kv_heads, st.group, st.block_q, st.block_kv)
+      return tile.reshape(st.request.num_kv_heads, st.group, st.block_q, st.block_kv)
     return tile[None]
 
   def mask(self, qb, kb):
@@ -150,32 +146,32 @@ class _Row:
     if self.q_seg is not None:
       q_seg = self.q_seg[qb][:, None]
       kv_seg = self.kv_seg[kb][None, :]
-    ok = masks.visible(self.q_offset + q_idx[:, None], self.kv_offset + kv_idx[None, :], st.spec,
+    ok = masks.visible(self.q_offset + q_idx[:, None], self.kv_offset + kv_idx[None, :], st.request.spec,
                        q_seg, kv_seg)
     # Padding added to reach whole chunks is never visible (padded query rows see nothing).
-    ok = ok & (q_idx < st.q_len)[:, None] & (kv_idx < st.kv_len)[None, :]
+    ok = ok & (q_idx < st.request.q_len)[:, None] & (kv_idx < st.request.kv_len)[None, :]
     ok = ok[None, None]
     if self.dense is not None:
       tile = jax.lax.dynamic_slice(
           self.dense, _tile_starts(st, qb, kb),
           (self.dense.shape[0], st.block_q, st.block_kv))  # [h|1, bq, bk]
       if st.heads_in_mask:
-        tile = tile.reshape(st.num_kv_heads, st.group, st.block_q, st.block_kv)
+        tile = tile.reshape(st.request.num_kv_heads, st.group, st.block_q, st.block_kv)
       ok = ok & tile
     return ok
 
   def logits(self, q_blk, k_blk, qb, kb):
     """float32 [kvh, g, bq, bk]: scale * q.k + alibi + bias, soft-capped. Also returns tanh for the
     softcap's derivative."""
-    s = _dot(self.st, q_blk, k_blk, "kgtd,ksd->kgts") * self.st.scale
+    s = _dot(self.st, q_blk, k_blk, "kgtd,ksd->kgts") * self.st.request.scale
     if self.slopes is not None:
       s = s + dropout.alibi(self.slopes[..., None, None], *self.positions(qb, kb))
     if self.bias is not None:
       s = s + self.bias_tile(qb, kb)
-    if self.st.softcap is None:
+    if self.st.request.softcap is None:
       return s, None
-    t = jnp.tanh(s / self.st.softcap)
-    return self.st.softcap * t, t
+    t = jnp.tanh(s / self.st.request.softcap)
+    return self.st.request.softcap * t, t
 
 
 def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, bias, slopes, ints,
@@ -253,7 +249,7 @@ def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, 
       if dbias is not None:  # [h|1, bq, sp]: this q chunk's rows, written at kv chunk kb
         tile = ds.reshape(-1, *ds.shape[2:]) if bias_heads > 1 else ds.sum((0, 1))[None]
         dbias = jax.lax.dynamic_update_slice_in_dim(dbias, tile, kb * st.block_kv, 2)
-      ds = ds * st.scale
+      ds = ds * st.request.scale
       dq = dq + _dot(st, ds, k_blk, "kgts,ksd->kgtd")
       dk_blk = _dot(st, ds, q_blk, "kgts,kgtd->ksd")
       dk = jax.lax.dynamic_update_index_in_dim(dk, dk[kb] + dk_blk, kb, 0)
@@ -327,6 +323,7 @@ class XlaChunked:
   """Chunked attention with chunk sizes ``block_q`` x ``block_kv`` (clamped to the lengths)."""
 
   name = "xla_chunked"
+  capabilities = frozenset({"attention_backward", "block_stats", "traced_offsets"})
 
   def __init__(self, block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
     self.block_q, self.block_kv = block_q, block_kv
@@ -401,11 +398,9 @@ class XlaChunked:
     bq, bk = self.chunk_shape(request)
     nq, nk = -(-t // bq), -(-s // bk)
     tp, sp = nq * bq, nk * bk
-    st = _ChunkedCall(request.spec, request.scale, request.softcap, t, s, bq, bk, kvh, g,
+    st = _ChunkedCall(request=request, block_q=bq, block_kv=bk,
                       heads_in_mask=args.dense_mask is not None and args.dense_mask.shape[1] != 1,
-                      dropout_rate=request.dropout_rate, dropout_broadcast=request.dropout_broadcast,
-                      heads_in_bias=args.bias is not None and args.bias.shape[1] != 1,
-                      precision=request.precision)
+                      heads_in_bias=args.bias is not None and args.bias.shape[1] != 1)
 
     # [b, t, h, d] -> [b, nq, kvh, g, bq, d]; [b, s, kvh, d] -> [b, nk, kvh, bk, d].
     qc = pad_to(q, 1, tp).reshape(b, nq, bq, kvh, g, d).transpose(0, 1, 3, 4, 2, 5)

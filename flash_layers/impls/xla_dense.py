@@ -49,20 +49,23 @@ from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _DenseCall:
-  scale: float
-  softcap: float | None
-  group: int  # query heads per kv head; 1 drops the "g" axis from every einsum
-  dropout_rate: float = 0.0
-  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every einsum (the request's)
+  """One call as the traced computation sees it: the request and what is derived from it
+  (hashable: a custom_vjp static argument)."""
+
+  request: Request
   looped: bool = False  # the forward alone one batch row and kv head at a time (the CPU layout)
+
+  @property
+  def group(self) -> int:  # query heads per kv head; 1 drops the "g" axis from every einsum
+    return self.request.num_heads // self.request.num_kv_heads
 
 
 def _einsum(st: _DenseCall, spec: str, a, b):
   if st.group == 1:
     spec = spec.replace("g", "")
-  return jnp.einsum(spec, a, b, precision=st.precision, preferred_element_type=jnp.float32)
+  return jnp.einsum(spec, a, b, precision=st.request.precision, preferred_element_type=jnp.float32)
 
 
 def _to_rows(x):
@@ -105,14 +108,14 @@ def _dense_looped(st, q, k, v, mask, extra, keep):
 
 def _logits(st, q, k, mask, extra):
   """(scale * q, the masked (capped) logits [b, kvh, (g), t, s], tanh of the softcap or None)."""
-  q = q * st.scale
+  q = q * st.request.scale
   s = _einsum(st, "btkgd,bskd->bkgts", q, k)
   if extra is not None:
     s = s + extra
   tanh = None
-  if st.softcap is not None:
-    tanh = jnp.tanh(s / st.softcap)
-    s = st.softcap * tanh
+  if st.request.softcap is not None:
+    tanh = jnp.tanh(s / st.request.softcap)
+    s = st.request.softcap * tanh
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   return q, s, tanh
@@ -130,7 +133,7 @@ def _dense_fwd(st, q, k, v, mask, extra, keep):
   denom = p.sum(-1)
   has_key = denom > 0
   inv = jnp.where(has_key, 1.0 / jnp.where(has_key, denom, 1.0), 0.0)
-  kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.dropout_rate), 0.0)
+  kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.request.dropout_rate), 0.0)
   out = _einsum(st, "bkgts,bskv->btkgv", kept, v) * _to_rows(inv)
   lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
   return (out, lse), (q, k, v, p, inv, tanh, out, extra, keep)
@@ -149,15 +152,15 @@ def _grads(st, q, k, v, p, inv, tanh, extra, keep, dout, delta):
   (times 1 - tanh^2 through the softcap);  dq = scale * ds k;  dk = ds^T (scale * q)."""
   # Dropout: out = (P * keep * c) v, so dv sees the kept probabilities and dP = (dO v^T) * keep * c;
   # delta = rowsum(P * dP) is still rowsum(dO * out).
-  kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.dropout_rate), 0.0)
+  kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.request.dropout_rate), 0.0)
   dv = _einsum(st, "bkgts,btkgv->bskv", kept, dout * _to_rows(inv))
   dp = _einsum(st, "btkgv,bskv->bkgts", dout, v)
   if keep is not None:
-    dp = jnp.where(keep, dp * dropout.keep_scale(st.dropout_rate), 0.0)
+    dp = jnp.where(keep, dp * dropout.keep_scale(st.request.dropout_rate), 0.0)
   ds = p * ((dp - delta[..., None]) * inv[..., None])
   if tanh is not None:
     ds = ds * (1.0 - tanh * tanh)
-  dq = _einsum(st, "bkgts,bskd->btkgd", ds, k) * st.scale
+  dq = _einsum(st, "bkgts,bskd->btkgd", ds, k) * st.request.scale
   dk = _einsum(st, "bkgts,btkgd->bskd", ds, q)
   d_extra = None
   if extra is not None:  # the logits' gradient, summed over the axes `extra` broadcasts along
@@ -219,6 +222,7 @@ class XlaDense:
   """Dense float32 attention with a custom VJP, laid out for XLA:CPU (see the module docstring)."""
 
   name = "xla_dense"
+  capabilities = frozenset({"attention_backward", "traced_offsets"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     return None
@@ -265,7 +269,7 @@ def _operands(q, k, v, request: Request, args: Args):
   kvh = k.shape[2]
   group = h // kvh
   s = k.shape[1]
-  st = _DenseCall(request.scale, request.softcap, group, request.dropout_rate, request.precision)
+  st = _DenseCall(request=request)
   qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
   f32 = tuple(x.astype(jnp.float32) for x in (qg, k, v))
   keep = None

@@ -46,6 +46,7 @@ def _bias(request: Request, args: Args, q_len: int, kv_len: int):
 
 class XlaNative:
   name = "xla_native"
+  capabilities = frozenset({"traced_offsets"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     if request.softcap is not None:

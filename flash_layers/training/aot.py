@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from flash_layers import models
+from flash_layers import host, models
 from flash_layers.errors import UserError
 from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
 from flash_layers.training import collectives as collectives_lib
@@ -46,7 +46,8 @@ def topology_devices(topology: str, num_slices: int = 1):
     raise AotTopologyError(f"--aot_num_slices must be a positive integer; got {num_slices!r}")
   try:
     kwargs = {"num_slices": num_slices} if num_slices > 1 else {}
-    return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
+    with host.quiet_libtpu():
+      return topologies.get_topology_desc(topology, "tpu", **kwargs).devices
   except Exception as e:  # libtpu missing or an unknown name
     raise AotTopologyError(f"--aot_topology {topology!r}: cannot describe this TPU slice (needs libtpu; "
                            f"names like v5p:2x2x2, v5e:4x4, v4:2x2x2): {type(e).__name__}: {e}") from None

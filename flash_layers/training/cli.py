@@ -7,15 +7,13 @@ its traceback. ml_collections raises KeyError/AttributeError for an override of 
 not exist (`--config.train.bogus=1`); those become a UserError naming the override and the fields
 that do exist.
 
-`default_to_cpu_without_accelerator()` keeps libtpu (installed for the TPU ahead-of-time compiles)
-from probing for a TPU, and printing its warnings, on a host that has none.
+The platform default (the CPU, with libtpu quiet, on a host without an accelerator) is set by
+`import flash_layers` itself: see `flash_layers.host`.
 """
 
 from __future__ import annotations
 
 import difflib
-import glob
-import importlib.util
 import os
 import sys
 from collections.abc import Callable
@@ -108,53 +106,3 @@ def _unknown_override(argv: list[str]) -> str | None:
                   f"{', '.join(sorted(node.keys()))}")
         node, where = node[part], f"{where}.{part}"
   return None
-
-
-# ----------------------------------------------------------------------------
-# Platforms
-# ----------------------------------------------------------------------------
-
-# Device files through which the TPU runtime (accel: v2-v5e, vfio: v5p and newer) or a GPU
-# driver reaches its chips.
-_ACCELERATOR_FILES = ("/dev/accel*", "/dev/vfio/[0-9]*", "/dev/nvidia[0-9]*", "/dev/nvidiactl", "/dev/kfd",
-                      "/dev/dxg")
-_GOOGLE_PCI_VENDOR = "0x1ae0"
-_PCI_NETWORK_OR_STORAGE = ("0x01", "0x02")  # Google's virtual NIC and disks on ordinary GCE VMs
-
-
-def accelerator_present() -> bool:
-  """Whether this host shows any sign of a TPU or GPU (device files, or a Google PCI device that is
-  not a NIC or a disk). Errs towards True: a false True only leaves jax's own platform choice."""
-  if any(glob.glob(pattern) for pattern in _ACCELERATOR_FILES):
-    return True
-  for vendor_file in glob.glob("/sys/bus/pci/devices/*/vendor"):
-    try:
-      with open(vendor_file) as f:
-        vendor = f.read().strip()
-      if vendor != _GOOGLE_PCI_VENDOR:
-        continue
-      with open(os.path.join(os.path.dirname(vendor_file), "class")) as f:
-        if not f.read().strip().startswith(_PCI_NETWORK_OR_STORAGE):
-          return True
-    except OSError:
-      return True
-  return False
-
-
-def default_to_cpu_without_accelerator(*, needs_libtpu: bool = False) -> bool:
-  """Run on the CPU, without asking libtpu, when nothing else could run here. Returns whether it did.
-
-  With JAX_PLATFORMS unset, jax initializes every backend it knows; with libtpu installed that
-  loads libtpu, which, finding no TPU, prints warnings (accelerator type, host bounds, a
-  source-location trace) before jax falls back to the CPU. Nothing changes when the user chose
-  (JAX_PLATFORMS, even empty, or JAX_FORCE_TPU_INIT), when libtpu is not installed, when the host
-  has a TPU or a GPU, or when libtpu is what the run needs (`--aot_topology`). (TPU_LIBRARY_PATH
-  says nothing: importing libtpu sets it.) Call it before the first JAX computation.
-  """
-  if (needs_libtpu or any(name in os.environ for name in ("JAX_PLATFORMS", "JAX_FORCE_TPU_INIT"))
-      or importlib.util.find_spec("libtpu") is None or accelerator_present()):
-    return False
-  os.environ["JAX_PLATFORMS"] = "cpu"  # for child processes (and distributed's CPU collectives)
-  import jax
-  jax.config.update("jax_platforms", "cpu")
-  return True

@@ -1,7 +1,9 @@
 """flash_pallas: our own Pallas flash-attention kernels, one family per platform.
 
-* `tpu.py` — Mosaic kernels designed for the TPU (VMEM scratch, scalar-prefetched block map).
-* `gpu.py` — Triton kernels designed for the GPU (one program per q block, in-kernel kv loop).
+* `tpu.py` — Mosaic kernels designed for the TPU (VMEM scratch, scalar-prefetched block map);
+  their tiles, VMEM budgets and tuning candidates in `tpu_config.py`.
+* `gpu.py` — Triton kernels designed for the GPU (one program per q block, in-kernel kv loop);
+  their tiles, warps, stages, shared-memory budgets and tuning candidates in `gpu_config.py`.
 
 This module only dispatches. The family follows the platform the computation is
 *lowered* for (`jax.lax.platform_dependent`): a TPU lowering gets the Mosaic
@@ -9,21 +11,19 @@ kernels, a CUDA lowering the Triton ones, anything else (the CPU) the TPU
 kernels in interpret mode. `fl.interpret_as("tpu" | "gpu")` forces one family,
 interpreted, everywhere.
 
-Each family module provides:
-  unsupported(request) -> str | None     the first feature it cannot serve
-  block_shape(request, platform) -> (block_q, block_kv)   the tiles it would use
-  flash_attention(q, k, v, *, request, args, interpret) -> (out, lse)
-  attention_backward(q, k, v, lse, delta, d_out, *, request, args, interpret) -> (dq, dk, dv)
-  grid_steps(request, args) -> int | None   (optional: the forward grid's steps, for explain)
+Each family module satisfies `KernelFamily` (checked when it is first loaded).
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+from typing import Protocol
 
 import jax
 
 from flash_layers import lowering, masks
+from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
@@ -31,8 +31,45 @@ _FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
                    "gpu": "flash_layers.impls.flash_pallas.gpu"}
 
 
-def _family(name: str):
-  return importlib.import_module(_FAMILY_MODULES[name])
+class KernelFamily(Protocol):
+  """What a kernel family module (`tpu.py`, `gpu.py`) provides; its functions, module-level."""
+
+  def unsupported(self, request: Request) -> str | None:
+    """The first feature of the request it cannot serve, or None."""
+
+  def block_shape(self, request: Request, platform: str) -> tuple[int, int]:
+    """The forward's (block_q, block_kv): explain()'s block counts."""
+
+  def grid_steps(self, request: Request, args: Args) -> int | None:
+    """The forward grid's steps over batch and heads, or None when its grid does not show them."""
+
+  def flash_attention(self, q: jax.Array, k: jax.Array, v: jax.Array, *, request: Request,
+                      args: Args, interpret: bool) -> tuple[jax.Array, jax.Array]:
+    """(out, lse), differentiable (its own backward kernels)."""
+
+  def attention_backward(self, q: jax.Array, k: jax.Array, v: jax.Array, lse: jax.Array,
+                         delta: jax.Array, d_out: jax.Array, *, request: Request, args: Args,
+                         interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(dq, dk, dv) from given row statistics, no forward."""
+
+
+# How the dispatcher calls each KernelFamily function: (positional arguments, keyword arguments).
+_FAMILY_CALLS = {
+    "unsupported": (1, ()),
+    "block_shape": (2, ()),
+    "grid_steps": (2, ()),
+    "flash_attention": (3, ("request", "args", "interpret")),
+    "attention_backward": (6, ("request", "args", "interpret")),
+}
+
+
+@functools.cache
+def _family(name: str) -> KernelFamily:
+  """The family module, checked against `KernelFamily` the first time it is loaded."""
+  module = importlib.import_module(_FAMILY_MODULES[name])
+  for function, call in _FAMILY_CALLS.items():
+    registry.check_callable(f"kernel family {module.__name__}", module, function, call)
+  return module
 
 
 def family_for(platform: str) -> tuple[str, bool]:
@@ -77,6 +114,7 @@ def _where(platform: str | None) -> str:
 
 class FlashPallas:
   name = "flash_pallas"
+  capabilities = frozenset({"attention_backward", "block_stats", "grid_steps", "traced_offsets"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     if request.has_dense_mask:  # the kernels skip blocks by the mask spec, never by an array
@@ -105,8 +143,7 @@ class FlashPallas:
     """Grid steps of the forward kernel over batch and heads (TPU family: its grid holds only
     the visible ranges; the GPU family loops over kv blocks inside each program: None)."""
     family, _ = family_for(platform)
-    steps = getattr(_family(family), "grid_steps", None)
-    return None if steps is None else steps(request, args)
+    return _family(family).grid_steps(request, args)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]

@@ -43,9 +43,9 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
   both backward kernels. Slopes and per-(batch, head) dropout streams come in the
   small int32 offsets table (`dropout.offsets_table`).
 
-Tile sizes, warps and pipeline stages come from one table (`CONFIG_TABLE`) by
-GPU generation and head_dim, each row citing its yardstick and sized to the
-generation's shared memory (`shared_memory_bytes`), and can be overridden per call
+Tile sizes, warps and pipeline stages come from one table (`gpu_config.TILE_TABLE`)
+by GPU generation and head_dim, each row citing its yardstick and sized to the
+generation's shared memory (`gpu_config.shared_memory_bytes`), and can be overridden per call
 with `fl.attention(..., block_sizes=fl.GpuBlockSizes(...))`.
 """
 
@@ -54,7 +54,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +63,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from flash_layers import dropout, masks
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes, round_up
+from flash_layers.impls.flash_pallas import gpu_config
+from flash_layers.impls.tiling import MIN_GPU_TILE, GpuBlockSizes, round_up
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -73,147 +73,6 @@ SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
 MAX_HEAD_DIM = 256
 # CUDA limits grid dimensions y and z to 65535; batch * heads runs on y.
 MAX_GRID_Y = 65535
-
-
-# ----------------------------------------------------------------------------
-# Configuration: one table per GPU generation and head_dim bucket
-# ----------------------------------------------------------------------------
-
-# Shared memory one program (thread block) may use, by generation: H100/H200 228 KiB per SM, 227
-# per block; A100 (sm_80) 164 / 163; consumer Ampere and Ada (sm_86, sm_89) 100 / 99 (CUDA C
-# Programming Guide, "Compute capabilities").
-SHARED_MEMORY = {"hopper": 227 * 1024, "ampere": 163 * 1024, "ada": 99 * 1024}
-
-# (generation, head_dim bucket) -> defaults, GpuBlockSizes(fwd q, fwd kv, bwd q, bwd kv, fwd warps,
-# fwd stages, bwd warps, bwd stages). Yardsticks: jax's Pallas mha defaults
-# (jax/experimental/pallas/ops/gpu/attention.py: forward 128 x 128, 4 warps at head_dim <= 64 else
-# 8, 2 stages; backward 32 x 32) and tokamax's autotuned H100 picks for its Pallas-Triton flash
-# attention (tokamax/data/autotuning/nvidia_h100_80gb_hbm3/pallas_triton_flash_attention{,_vjp}.json,
-# bf16, 2k-16k tokens). Every entry fits its generation's shared memory by `shared_memory_bytes`
-# (tests/test_flash_pallas_gpu.py checks it). Not tuned on hardware here: see docs/kernels.md.
-CONFIG_TABLE: dict[tuple[str, int], GpuBlockSizes] = {
-    # tokamax H100 d64 at 2k-16k: forward 128 x 64, 3 stages, 4 warps (causal); backward 64 x 64,
-    # 3 stages, 4 warps. Forward 64 KiB, dK/dV 64 KiB: 4 warps hold the 64-wide accumulator.
-    ("hopper", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 3),
-    # tokamax H100 d128 at 8k/16k: forward 128 x 128, 3 stages, 8 warps (jax's mha: 128 x 128,
-    # 8 warps); backward 64 x 64, 2 stages, 4 warps. Forward 192 KiB of 227: the largest that fits.
-    ("hopper", 128): GpuBlockSizes(128, 128, 64, 64, 8, 3, 4, 2),
-    # tokamax H100 d256 at 8k/16k: forward 128 x 32, 3 stages, 8 warps (the 256-wide float32
-    # accumulator needs 8 warps' registers); backward 64 x 32, 3 stages, 4 warps (dK/dV 168 KiB).
-    ("hopper", 256): GpuBlockSizes(128, 32, 64, 32, 8, 3, 4, 3),
-    # A100: the Hopper d64 tiles already fit 163 KiB (64 KiB); same 64K registers per SM.
-    ("ampere", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 3),
-    # Hopper's 128 x 128 x 3 stages is 192 KiB > 163: halve the kv tile, keep 3 stages (112 KiB;
-    # jax's 128 x 128 x 2 stages would be 128 KiB). Backward as Hopper (80 KiB).
-    ("ampere", 128): GpuBlockSizes(128, 64, 64, 64, 8, 3, 4, 2),
-    # Hopper's d256 tiles with one stage fewer: forward 104 KiB, dK/dV 104 KiB (168 with 3 stages).
-    ("ampere", 256): GpuBlockSizes(128, 32, 64, 32, 8, 2, 4, 2),
-    # Consumer Ampere / Ada (99 KiB): no published yardstick; the A100 rows cut to fit. d64: the
-    # A100 row fits as it is (64 KiB).
-    ("ada", 64): GpuBlockSizes(128, 64, 64, 64, 4, 3, 4, 3),
-    # A100's 112 KiB forward does not fit: 2 stages (80 KiB); backward 80 KiB.
-    ("ada", 128): GpuBlockSizes(128, 64, 64, 64, 8, 2, 4, 2),
-    # tokamax's short causal H100 d256 pick, 64 x 32 x 2 stages (68 KiB); backward 32 x 32 (68 KiB).
-    ("ada", 256): GpuBlockSizes(64, 32, 32, 32, 4, 2, 4, 2),
-}
-
-
-def shared_memory_bytes(cfg: GpuBlockSizes, head_dim: int, head_dim_v: int, itemsize: int) -> int:
-  """Shared memory of the largest of the three kernels for these tiles (an estimate, in bytes).
-
-  Per program: the tiles it keeps (its q, or its k and v, block), num_stages - 1 pipelined
-  buffers of the tiles its loop streams (Triton's pipeliner keeps num_stages - 1 loads in flight;
-  with num_stages buffers tokamax's measured H100 d128 pick, 128 x 128 x 3 stages, would need
-  256 KiB and could not launch), and the [block_q, block_kv] probability tile (and dS in dK/dV)
-  that goes through shared memory on its way to the next dot. Widths are the padded (power of
-  two) head dims.
-  """
-  d, dv = max(MIN_GPU_TILE, pl.next_power_of_2(head_dim)), max(MIN_GPU_TILE, pl.next_power_of_2(head_dim_v))
-  fwd_buffers, bwd_buffers = max(cfg.num_stages - 1, 1), max(cfg.num_stages_bwd - 1, 1)
-  bq, bk, bq2, bk2 = cfg.block_q, cfg.block_kv, cfg.block_q_bwd, cfg.block_kv_bwd
-  forward = bq * d + fwd_buffers * bk * (d + dv) + bq * bk
-  dkv = bk2 * (d + dv) + bwd_buffers * bq2 * (d + dv) + 2 * bq2 * bk2
-  dq = bq2 * (d + dv) + bwd_buffers * bk2 * (d + dv) + bq2 * bk2
-  return itemsize * max(forward, dkv, dq)
-
-
-@functools.cache
-def gpu_generation() -> str:
-  """The CONFIG_TABLE generation of the local GPU; 'hopper' when there is none (CPU lowering)."""
-  try:
-    device = jax.local_devices(backend="gpu")[0]
-  except (RuntimeError, ValueError):  # no GPU backend in this process
-    return "hopper"
-  return generation_of(str(getattr(device, "compute_capability", "9.0")))
-
-
-def generation_of(capability: str) -> str:
-  """'hopper' for sm_90/sm_100 (227 KiB of shared memory per block), 'ampere' for sm_80/sm_87
-  (163 KiB), 'ada' for the consumer parts sm_86/sm_89/sm_12x (99 KiB); unknown strings: hopper."""
-  try:
-    major, minor = (int(x) for x in capability.split(".")[:2])
-  except ValueError:
-    return "hopper"
-  if major in (9, 10, 11):
-    return "hopper"
-  if major == 8 and minor in (0, 7):
-    return "ampere"
-  return "ada" if major in (8, 12) else "hopper"
-
-
-def _override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
-  """Apply `request.block_sizes`.
-
-  `jax.lax.platform_dependent` traces both kernel families with the same request,
-  so each family takes its own sizes and uses its defaults for the other's: a
-  `GpuBlockSizes` replaces the table entry, the TPU family's `BlockSizes` is not
-  for us.
-  """
-  if block_sizes is None or isinstance(block_sizes, BlockSizes):
-    return base
-  if isinstance(block_sizes, GpuBlockSizes):
-    return block_sizes
-  raise TypeError("block_sizes for the flash_pallas GPU kernels must be a flash_layers.GpuBlockSizes "
-                  f"(or the TPU family's flash_layers.BlockSizes, ignored on GPU); got {block_sizes!r}")
-
-
-def _fit(block: int, length: int) -> int:
-  """Shrink a tile for short sequences (a 7-token call needs no 128-row tile)."""
-  return max(MIN_GPU_TILE, min(block, pl.next_power_of_2(length)))
-
-
-def _fit_float32(cfg: GpuBlockSizes, request: Request, budget: int) -> GpuBlockSizes:
-  """The table is sized for 2-byte inputs; float32 tiles are twice the bytes. Drop pipeline
-  stages, then halve the kv and q tiles, until the estimate fits the budget."""
-  while shared_memory_bytes(cfg, request.head_dim, request.head_dim_v, 4) > budget:
-    if max(cfg.num_stages, cfg.num_stages_bwd) > 2:
-      cfg = dataclasses.replace(cfg, num_stages=min(cfg.num_stages, 2),
-                                num_stages_bwd=min(cfg.num_stages_bwd, 2))
-    elif max(cfg.block_kv, cfg.block_kv_bwd) > 32:
-      cfg = dataclasses.replace(cfg, block_kv=max(cfg.block_kv // 2, 32),
-                                block_kv_bwd=max(cfg.block_kv_bwd // 2, 32))
-    elif max(cfg.block_q, cfg.block_q_bwd) > 32:
-      cfg = dataclasses.replace(cfg, block_q=max(cfg.block_q // 2, 32),
-                                block_q_bwd=max(cfg.block_q_bwd // 2, 32))
-    else:
-      break
-  return cfg
-
-
-def config(request: Request) -> GpuBlockSizes:
-  """The table entry for this GPU and head_dim (float32: cut to fit shared memory), overridden by
-  request.block_sizes, fit to the lengths."""
-  head_dim = max(request.head_dim, request.head_dim_v)
-  bucket = 64 if head_dim <= 64 else 128 if head_dim <= 128 else 256
-  generation = gpu_generation()
-  cfg = CONFIG_TABLE[(generation, bucket)]
-  if jnp.dtype(request.dtype).itemsize > 2:
-    cfg = _fit_float32(cfg, request, SHARED_MEMORY[generation])
-  cfg = _override(cfg, request.block_sizes)
-  return dataclasses.replace(
-      cfg, block_q=_fit(cfg.block_q, request.q_len), block_kv=_fit(cfg.block_kv, request.kv_len),
-      block_q_bwd=_fit(cfg.block_q_bwd, request.q_len),
-      block_kv_bwd=_fit(cfg.block_kv_bwd, request.kv_len))
 
 
 # ----------------------------------------------------------------------------
@@ -238,18 +97,27 @@ def unsupported(request: Request) -> str | None:
 def block_shape(request: Request, platform: str) -> tuple[int, int]:
   """(block_q, block_kv) of the forward kernel, for explain()'s block counts."""
   del platform  # One table; the generation comes from the local GPU (Hopper without one).
-  cfg = config(request)
+  cfg = gpu_config.config(request)
   return cfg.block_q, cfg.block_kv
+
+
+def grid_steps(request: Request, args: Args) -> int | None:
+  """None: each program loops over its kv blocks inside the kernel, so the grid (q blocks x
+  batch * heads) says nothing about the tiles visited; `block_shape` gives explain() the counts."""
+  del request, args
+  return None
 
 
 # ----------------------------------------------------------------------------
 # Static description of one call (hashable: it is a custom_vjp nondiff argument)
 # ----------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _GpuCall:
+  """One call as the kernels see it: the request and what is derived from it."""
+
   request: Request
-  cfg: GpuBlockSizes  # config(request): the tiles actually used
+  cfg: GpuBlockSizes  # gpu_config.config(request): the tiles and launch parameters actually used
   interpret: bool
 
   @property
@@ -799,7 +667,7 @@ _flash.defvjp(_flash_forward, _flash_backward)
 
 
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
-  st = _GpuCall(request, config(request), bool(interpret))
+  st = _GpuCall(request=request, cfg=gpu_config.config(request), interpret=bool(interpret))
   # [q_offset, kv_offset, alibi slopes, dropout streams]
   return st, dropout.offsets_table(request, args, batch)
 

@@ -1,12 +1,14 @@
-"""flash_pallas on TPU: our own Mosaic flash-attention kernels, forward and backward.
+"""flash_pallas on TPU: our own Mosaic flash-attention kernels, forward and backward, and their
+grid plans. The tile sizes (per generation, with their reasons), VMEM budgets, the GQA tile rule
+and the autotuning candidates are data and heuristics in `tpu_config.py`.
 
-Tiles. ``len`` is padded to a multiple of the block sizes; padded keys and queries are masked by
-position. Tiles
-are ``(block, head_dim)`` with blocks multiples of 128, so they respect the TPU's (8 sublanes,
-128 lanes) tiling. A tile spans the whole head_dim, so any head_dim is legal; one that is not a
-multiple of 128 (BERT's 32 and 64) is padded to 128 lanes inside VMEM and the vregs by Mosaic,
-not in HBM: no zero columns are stored, copied or re-read with every K/V block. (Compiled for
-v4, v5e, v5p and v6e with head_dim 17, 32, 64, 80, 128, 200 and 256.)
+Tiles. ``len`` is padded to a multiple of the forward and backward block sizes; padded keys and
+queries are masked by position. Tiles are ``(block, head_dim)`` with blocks multiples of 128,
+so they respect the TPU's (8 sublanes, 128 lanes) tiling. A tile spans the whole head_dim, so
+any head_dim is legal; one that is not a multiple of 128 (BERT's 32 and 64) is padded to 128
+lanes inside VMEM and the vregs by Mosaic, not in HBM: no zero columns are stored, copied or
+re-read with every K/V block. (Compiled for v4, v5e, v5p and v6e with head_dim 17, 32, 64, 80,
+128, 200 and 256.)
 
 Grid: only the tiles that matter. Each q block sees a contiguous *range* of kv blocks under
 causal masks, windows and packed documents; the forward kernel's grid is ``(batch, heads, rows,
@@ -70,84 +72,8 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flash_layers import dropout, lowering, masks
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
-
-# ----------------------------------------------------------------------------
-# Block sizes
-# ----------------------------------------------------------------------------
-
-# Defaults per TPU generation, from each chip's published bf16 peak and HBM bandwidth (Google Cloud
-# TPU system architecture pages) and its VMEM, measured as the largest scratch Mosaic accepts when
-# compiling ahead of time: v4 16 MiB, v5e 128 MiB, v5p 64 MiB, v6e 128 MiB. Not yet tuned on hardware.
-# * block_q: a forward tile does ~block_q FLOPs per byte of K/V it streams (4 bq bk d FLOPs for
-#   4 bk d bytes of bfloat16 K and V), so block_q must exceed the chip's FLOP/byte ratio for the
-#   MXU, not HBM, to bound a step: v4 275 TF/s / 1.2 TB/s ~ 230, v5e 197 / 0.82 ~ 240, v5p 459 / 2.8
-#   ~ 166, v6e 918 / 1.6 ~ 560 (hence 1,024-row q tiles on v6e). The dQ kernel streams K/V the same
-#   way; dK/dV streams q and dO: ~2 block_kv FLOPs per byte.
-# * block_kv: a step's MXU time should dwarf the ~0.35 us a grid step costs: a 512 x 512 x 128 tile is
-#   ~0.7 us on v5e, 512 x 1024 ~1.4 us; 1,024 x 1,024 ~0.6 us on v6e.
-# * VMEM: the f32 logits tile and ~5 temporaries of its size (6 x 4 x bq x bk bytes) plus the
-#   double-buffered tiles must fit the kernel's scoped VMEM. Each kernel asks for what its tiles
-#   need (`_vmem_limit`: never below Mosaic's default, at most 3/4 of the capacity), no more: every
-#   byte of scoped VMEM is taken from XLA's memory-space assignment, which keeps small buffers
-#   on chip (measured on v5e, 8k tokens: a flat 64 MiB limit turned 16 MiB of HBM temporaries
-#   into 49 MiB). v4 has only 16 MiB, so its backward keeps 256-row q tiles.
-# Square 512 tiles keep packed 512-token documents block-diagonal; longer kv tiles (v5e, v5p, v6e)
-# trade that for fewer, longer steps.
-#   generation  fwd (q, kv)   bwd (q, kv)   VMEM capacity (Mosaic's default scoped limit)
-#   v4          512, 512      256, 512      16 MiB (16)
-#   v5e         512, 1024     512, 512      128 MiB (16)
-#   v5p         512, 1024     512, 512      64 MiB (32)
-#   v6e         1024, 1024    512, 1024     128 MiB (32)
-DEFAULT_BLOCK_SIZES = {
-    "v4": BlockSizes(512, 512, 256, 512),
-    "v5e": BlockSizes(512, 1024, 512, 512),
-    "v5p": BlockSizes(512, 1024, 512, 512),
-    "v6e": BlockSizes(1024, 1024, 512, 1024),
-}
-VMEM_CAPACITY = {"v4": 16 << 20, "v5e": 128 << 20, "v5p": 64 << 20, "v6e": 128 << 20}
-DEFAULT_SCOPED_VMEM = {"v4": 16 << 20, "v5e": 16 << 20, "v5p": 32 << 20, "v6e": 32 << 20}
-GENERIC_BLOCK_SIZES = BlockSizes(512, 512, 512, 512)
-
-
-def default_block_sizes(generation: str | None) -> BlockSizes:
-  """The default sizes for "v4", "v5e", "v5p", "v6e" (None or unknown: a generic default)."""
-  return DEFAULT_BLOCK_SIZES.get(generation, GENERIC_BLOCK_SIZES)
-
-_GENERATION_OF_KIND = {"TPU v4": "v4", "TPU v5 lite": "v5e", "TPU v5e": "v5e", "TPU v5": "v5p",
-                       "TPU v5p": "v5p", "TPU v6 lite": "v6e", "TPU v6e": "v6e"}
-
-
-def tpu_generation() -> str | None:
-  """The generation being compiled for, when it can be known while tracing.
-
-  Under ``jax.sharding.set_mesh(mesh)`` the abstract mesh names the device kind (also for an
-  ahead-of-time compile onto topology devices); otherwise the default device, if it is a TPU.
-  """
-  get_mesh = getattr(jax.sharding, "get_abstract_mesh", None)
-  device = getattr(get_mesh(), "abstract_device", None) if get_mesh else None
-  if device is None:
-    device = jax.devices()[0]
-    if device.platform != "tpu":
-      return None
-  return _GENERATION_OF_KIND.get(device.device_kind)
-
-
-def _blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
-  """Effective ((block_q, block_kv), (block_q_bwd, block_kv_bwd)) for this request."""
-  sizes = request.block_sizes
-  # platform_dependent traces every kernel family with the same request: sizes meant for the
-  # GPU family (flash_layers.GpuBlockSizes) leave the TPU family on its defaults.
-  if sizes is None or isinstance(sizes, GpuBlockSizes):
-    sizes = default_block_sizes(tpu_generation())
-  elif not isinstance(sizes, BlockSizes):
-    raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), flash_layers.GpuBlockSizes "
-                    f"(GPU) or None; got {sizes!r}")
-  q_cap, kv_cap = round_up(request.q_len, LANES), round_up(request.kv_len, LANES)
-  fwd = (min(sizes.block_q, q_cap), min(sizes.block_kv, kv_cap))
-  bwd = (min(sizes.backward[0], q_cap), min(sizes.backward[1], kv_cap))
-  return fwd, bwd
-
+from flash_layers.impls.flash_pallas import tpu_config
+from flash_layers.impls.tiling import LANES, round_up
 
 # ----------------------------------------------------------------------------
 # The family interface (see flash_pallas/__init__.py)
@@ -158,139 +84,56 @@ def unsupported(request: Request) -> str | None:
     return "dense mask"
   if request.has_bias:
     return "dense bias"
-  words = max(_plan_words(request, blocks) for blocks in _blocks(request))
-  if words > MAX_PLAN_WORDS:
-    return (f"a block plan of {words} int32 words (SMEM holds {MAX_PLAN_WORDS}; use larger "
-            "block_sizes, fewer rows or ring attention)")
+  words = max(tpu_config.plan_words(request, tiles) for tiles in tpu_config.blocks(request))
+  if words > tpu_config.MAX_PLAN_WORDS:
+    return (f"a block plan of {words} int32 words (SMEM holds {tpu_config.MAX_PLAN_WORDS}; use "
+            "larger block_sizes, fewer rows or ring attention)")
   return None
 
 
-# The plan and tile tables are scalar-prefetched into SMEM (1 MiB on v5e: 2^18 int32 words, some
-# taken by Mosaic itself); half of it keeps a margin. Both grow linearly with the length: one
-# token row of 2^20 tokens at 512-token blocks takes 2 x 2,048 plan words, with segment ids
-# 4 x 4,096 more.
-MAX_PLAN_WORDS = 2**17
-
-
-def _plan_words(request: Request, blocks: tuple[int, int]) -> int:
-  num_q, num_kv = -(-request.q_len // blocks[0]), -(-request.kv_len // blocks[1])
-  rows = request.batch if request.has_segment_ids else 1
-  tiles = 4 * request.batch * (num_q + num_kv) if request.has_segment_ids else 0
-  return 2 * rows * max(num_q, num_kv) + tiles
-
-
 def block_shape(request: Request, platform: str) -> tuple[int, int]:
-  return _blocks(request)[0]
+  return tpu_config.blocks(request)[0]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class _TpuCall:
-  """Everything the kernels need that is known while tracing (hashable: a custom_vjp static)."""
+  """One call as the kernels see it: the request and what is derived from it while tracing
+  (hashable: a custom_vjp static argument)."""
 
-  spec: masks.MaskSpec
-  scale: float
-  softcap: float | None
-  q_len: int
-  kv_len: int
-  head_dim: int      # unpadded, for the cost estimate
-  head_dim_v: int
-  fwd: tuple[int, int]
-  bwd: tuple[int, int]
-  has_segments: bool
-  static_offsets: tuple[int, int] | None  # for the cost estimate; None when traced
+  request: Request
   interpret: bool
-  num_heads: int = 0   # local query heads: where the dropout streams start in the offsets table
-  alibi: bool = False
-  dropout_rate: float = 0.0
-  precision: jax.lax.Precision = jax.lax.Precision.HIGHEST  # of every dot (Request.precision)
-  num_kv_heads: int = 0
+  fwd: tuple[int, int]  # forward (block_q, block_kv), after `tpu_config.forward_tiles`
+  bwd: tuple[int, int]  # backward (block_q, block_kv)
+  static_offsets: tuple[int, int] | None  # for the cost estimate; None when traced
   # Token-major operands: q, k, v, out, dO and the gradients stay [b, len, heads * dim] (the
   # caller's layout, reshaped for free) and a tile is the (block, dim) window at column
   # head * dim; legal for Mosaic when dim is a multiple of 128 lanes. Otherwise head-major
   # copies [b, heads, len, dim] are made (a transpose each way).
-  token_major: bool = False
+  token_major: bool
   # Query heads per forward / dQ q tile: a GQA group's heads (token-major only) share one K/V
   # stream.
   fwd_heads: int = 1
   dq_heads: int = 1
 
   @property
+  def has_segments(self) -> bool:
+    return self.request.has_segment_ids
+
+  @property
   def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
-    return self.alibi or self.dropout_rate > 0
+    return self.request.has_alibi or self.request.has_dropout
 
 
 def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
-  fwd, bwd = _blocks(request)
+  fwd, bwd = tpu_config.blocks(request)
   offsets_static = None  # python ints are known while tracing; traced offsets only at run time
   if all(isinstance(o, (int, np.integer)) for o in (args.q_offset, args.kv_offset)):
     offsets_static = (int(args.q_offset), int(args.kv_offset))
   token_major = request.head_dim % LANES == 0 and request.head_dim_v % LANES == 0
-  fwd, fwd_heads = _forward_tiles(request, fwd, token_major)
-  dq_heads = _dq_tile_heads(request, bwd, token_major)
-  return _TpuCall(request.spec, request.scale, request.softcap, request.q_len, request.kv_len,
-                  request.head_dim, request.head_dim_v, fwd, bwd, request.has_segment_ids,
-                  offsets_static, interpret, request.num_heads, request.has_alibi,
-                  request.dropout_rate, request.precision, request.num_kv_heads, token_major,
-                  fwd_heads, dq_heads)
-
-
-# The forward's q tile covers up to this many query heads of a GQA group: each K/V tile is then
-# fetched once per MAX_TILE_HEADS heads instead of once per head. The heads run in a loop (code
-# size does not grow with them), but the q-side tiles and scratch do, and the "parallel" grid
-# shrinks by the same factor; at 8 heads per K/V tile the K/V stream is already a small share of
-# the forward's HBM traffic.
-MAX_TILE_HEADS = 8
-
-
-def _forward_tiles(request: Request, fwd: tuple[int, int], token_major: bool
-                   ) -> tuple[tuple[int, int], int]:
-  """(forward blocks, query heads per forward q tile).
-
-  With token-major operands the q tile of a GQA group is the (block_q, heads * head_dim) window
-  of its heads' columns (contiguous: query head i uses kv head i // group), so one program
-  serves them all. Only head-major layouts (head_dim not a multiple of 128) keep one head per
-  tile. The per-generation tiles were sized for one head; the q-side tiles and scratch (q, out,
-  the scaled q, the statistics and the accumulator) grow with the heads, the [block_q, block_kv]
-  logits temporaries do not (the heads run one after another, in a loop). When the estimate
-  exceeds the budget `_vmem_limit` may grant (3/4 of VMEM), block_q halves (down to 128 rows: a
-  shorter q tile costs FLOPs per K/V byte, which the shared K/V stream more than returns); if
-  even 128 rows do not fit, fewer heads share a tile (a divisor of the group), down to one.
-  """
-  return _group_tiles(request, fwd, token_major, min_block_q=LANES)
-
-
-def _dq_tile_heads(request: Request, bwd: tuple[int, int], token_major: bool) -> int:
-  """Query heads per dQ q tile: the forward's rule (`_forward_tiles`) on the backward blocks,
-  except that block_q_bwd stays (it is also the dK/dV kernel's q tile and sets the padding with
-  the forward's block_q): only the heads shrink, to a divisor of the group, until the tile fits.
-  dQ's q-side tiles (q, dO, dQ) and scratch (the scaled q, dO, the accumulator, lse and D
-  columns) are what `_vmem_need` counts per head."""
-  return _group_tiles(request, bwd, token_major, min_block_q=bwd[0])[1]
-
-
-def _group_tiles(request: Request, blocks: tuple[int, int], token_major: bool, min_block_q: int
-                 ) -> tuple[tuple[int, int], int]:
-  """(blocks, heads per q tile): the most heads of a GQA group (at most MAX_TILE_HEADS) whose
-  tiles fit 3/4 of VMEM, halving block_q down to `min_block_q` before giving up heads."""
-  group = request.num_heads // request.num_kv_heads
-  if not token_major or group == 1:
-    return blocks, 1
-  candidates = [h for h in range(min(group, MAX_TILE_HEADS), 1, -1) if group % h == 0]
-  generation = tpu_generation()
-  if generation not in VMEM_CAPACITY:  # generic tiles, no known budget: the largest group
-    return blocks, candidates[0] if candidates else 1
-  budget = 3 * VMEM_CAPACITY[generation] // 4
-  itemsize = 2 if request.dtype == "bfloat16" else 4
-  for heads in candidates:
-    block_q = blocks[0]
-    while True:
-      if _vmem_need(request.head_dim, request.head_dim_v, block_q, blocks[1], itemsize,
-                    heads) <= budget:
-        return (block_q, blocks[1]), heads
-      if block_q <= min_block_q:
-        break
-      block_q = max(min_block_q, block_q // 2 // LANES * LANES)
-  return blocks, 1
+  fwd, fwd_heads = tpu_config.forward_tiles(request, fwd, token_major)
+  return _TpuCall(request=request, interpret=interpret, fwd=fwd, bwd=bwd,
+                  static_offsets=offsets_static, token_major=token_major, fwd_heads=fwd_heads,
+                  dq_heads=tpu_config.dq_tile_heads(request, bwd, token_major))
 
 
 def grid_steps(request: Request, args: Args) -> int | None:
@@ -402,30 +245,6 @@ def _interpret_arg(interpret: bool):
 def _compiler_params(semantics: tuple[str, ...], vmem_bytes: int | None = None):
   params = getattr(pltpu, "CompilerParams", None) or pltpu.TPUCompilerParams
   return params(dimension_semantics=semantics, vmem_limit_bytes=vmem_bytes)
-
-
-def _vmem_need(head_dim: int, head_dim_v: int, bq: int, bk: int, itemsize: int,
-               heads: int = 1) -> int:
-  """VMEM for a kernel with these tiles, an estimate with a 25% margin: the double-buffered
-  q/k/v/output tiles, the scratch (float32 statistics and accumulators, the scaled q or k tile),
-  and six float32 [block_q, block_kv] tiles (logits, probabilities and their gradients). The q-side
-  tiles and scratch are per query head of the tile (`heads`); the logits tiles are not."""
-  d, dv = round_up(head_dim, LANES), round_up(head_dim_v, LANES)
-  tiles = 2 * itemsize * (heads * (bq * d + 2 * bq * dv) + bk * d + bk * dv + bk * (d + dv))
-  scratch = (4 * (heads * (bq * dv + 4 * bq * LANES) + bk * (d + dv))
-             + itemsize * max(heads * bq, bk) * d)
-  return round_up(5 * (tiles + scratch + 6 * 4 * bq * bk) // 4, 1 << 20)
-
-
-def _vmem_limit(cfg: _TpuCall, grid: _Grid, itemsize: int) -> int | None:
-  """The scoped VMEM a kernel with these tiles asks for (None: Mosaic's default, generation
-  unknown): `_vmem_need`, never below Mosaic's default, at most 3/4 of the capacity."""
-  generation = tpu_generation()
-  if generation not in VMEM_CAPACITY:
-    return None
-  need = _vmem_need(cfg.head_dim, cfg.head_dim_v, grid.block_q, grid.block_kv, itemsize,
-                    grid.tile_heads)
-  return int(min(max(need, DEFAULT_SCOPED_VMEM[generation]), 3 * VMEM_CAPACITY[generation] // 4))
 
 
 class _Step(NamedTuple):
@@ -566,21 +385,21 @@ class _Grid:
     """(visible, full) of this step's tile, from SMEM scalars (`masks.tile_visibility`)."""
     bq, bk = self.block_q, self.block_kv
     q_first = offsets_ref[0] + w.q_block * bq
-    q_last = offsets_ref[0] + jnp.minimum(w.q_block * bq + bq, cfg.q_len) - 1
+    q_last = offsets_ref[0] + jnp.minimum(w.q_block * bq + bq, cfg.request.q_len) - 1
     kv_first = offsets_ref[1] + w.kv_block * bk
-    kv_last = offsets_ref[1] + jnp.minimum(w.kv_block * bk + bk, cfg.kv_len) - 1
+    kv_last = offsets_ref[1] + jnp.minimum(w.kv_block * bk + bk, cfg.request.kv_len) - 1
     q_info = kv_info = None
     if self.has_segments:  # 4 words per block: segment lo, hi, any global, all global
       at = (w.batch * self.num_q + w.q_block) * 4
       q_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
       at = (self.batch * self.num_q + w.batch * self.num_kv + w.kv_block) * 4
       kv_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
-    visible, full = masks.tile_visibility(q_first, q_last, kv_first, kv_last, cfg.spec, q_info,
+    visible, full = masks.tile_visibility(q_first, q_last, kv_first, kv_last, cfg.request.spec, q_info,
                                           kv_info)
     # A tile holding padded tail positions needs the element mask for the tail.
-    if cfg.q_len % bq:
+    if cfg.request.q_len % bq:
       full = full & (w.q_block != self.num_q - 1)
-    if cfg.kv_len % bk:
+    if cfg.request.kv_len % bk:
       full = full & (w.kv_block != self.num_kv - 1)
     return visible, full
 
@@ -627,8 +446,9 @@ def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool):
     xp, seg, offs = np, (None, None), cfg.static_offsets
   else:
     xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[0], offsets[1])
-  visible, _ = masks.block_visibility(cfg.q_len, cfg.kv_len, block_q, block_kv, cfg.spec, *seg,
-                                      *offs, xp=xp)
+  r = cfg.request
+  visible, _ = masks.block_visibility(r.q_len, r.kv_len, block_q, block_kv, r.spec, *seg, *offs,
+                                      xp=xp)
   if kv_major:
     visible = xp.swapaxes(visible, 1, 2)
   lo, count = _row_ranges(visible, xp)
@@ -643,16 +463,16 @@ def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool
   row_steps, plan = _plan(cfg, blocks, q_seg, kv_seg, offsets, kv_major=kv_major)
   steps = row_steps.max()
   steps = int(steps) if not isinstance(steps, jax.core.Tracer) else steps.astype(jnp.int32)
+  r = cfg.request
   if cfg.has_segments:
     tiles = jnp.concatenate([
-        jnp.stack(masks.block_segments(q_seg, cfg.q_len, block_q, cfg.spec), -1).reshape(-1),
-        jnp.stack(masks.block_segments(kv_seg, cfg.kv_len, block_kv, cfg.spec), -1).reshape(-1)])
+        jnp.stack(masks.block_segments(q_seg, r.q_len, block_q, r.spec), -1).reshape(-1),
+        jnp.stack(masks.block_segments(kv_seg, r.kv_len, block_kv, r.spec), -1).reshape(-1)])
   else:
     tiles = jnp.zeros((1,), jnp.int32)
-  grid = _Grid(kv_major, cfg.has_segments, cfg.token_major, q.shape[0], cfg.num_heads,
-               cfg.num_heads // cfg.num_kv_heads,
-               -(-cfg.q_len // block_q), -(-cfg.kv_len // block_kv), block_q, block_kv,
-               tile_heads)
+  grid = _Grid(kv_major, cfg.has_segments, cfg.token_major, q.shape[0], r.num_heads,
+               r.num_heads // r.num_kv_heads, -(-r.q_len // block_q), -(-r.kv_len // block_kv),
+               block_q, block_kv, tile_heads)
   return grid, steps, (jnp.asarray(plan), tiles.astype(jnp.int32))
 
 
@@ -665,7 +485,9 @@ def _call(kernel, name: str, cfg: _TpuCall, grid: _Grid, steps, tables, inputs, 
           out_specs=out_specs, scratch_shapes=scratch),
       out_shape=out_shape, compiler_params=_compiler_params(
           ("parallel",) * 3 + ("arbitrary",) * (grid.ndim - 3),
-          _vmem_limit(cfg, grid, jnp.dtype(inputs[0].dtype).itemsize)),
+          tpu_config.vmem_limit(cfg.request.head_dim, cfg.request.head_dim_v, grid.block_q,
+                                grid.block_kv, jnp.dtype(inputs[0].dtype).itemsize,
+                                grid.tile_heads)),
       cost_estimate=cost, interpret=_interpret_arg(cfg.interpret), name=name,
       input_output_aliases={len(tables) + i: o for i, o in (aliases or {}).items()},
   )(*tables, *inputs)
@@ -699,15 +521,15 @@ def _tile(offsets_ref, step: _Step, shape, q_axis) -> _Tile:
 
 def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg):
   """The element mask of one tile."""
-  ok = masks.visible(tile.q_pos, tile.kv_pos, cfg.spec, q_seg, kv_seg)
+  ok = masks.visible(tile.q_pos, tile.kv_pos, cfg.request.spec, q_seg, kv_seg)
   # Padded tail positions see nothing and are seen by nothing (q_len % block_q etc. may be != 0).
-  return ok & (tile.q_local < cfg.q_len) & (tile.kv_local < cfg.kv_len)
+  return ok & (tile.q_local < cfg.request.q_len) & (tile.kv_local < cfg.request.kv_len)
 
 
 def _alibi(cfg: _TpuCall, offsets_ref, head, tile: _Tile | None):
   """The ALiBi term of query head `head`'s tile (slope bits read from SMEM) in the units of the
   pre-scaled logits (`_unit`: the scalar slope takes the factor), or None."""
-  if not cfg.alibi:
+  if not cfg.request.has_alibi:
     return None
   slope = jax.lax.bitcast_convert_type(offsets_ref[2 + head], jnp.float32)
   return dropout.alibi(slope * _unit(cfg), tile.q_pos, tile.kv_pos)
@@ -716,12 +538,12 @@ def _alibi(cfg: _TpuCall, offsets_ref, head, tile: _Tile | None):
 def _dropout(cfg: _TpuCall, offsets_ref, batch, head, tile: _Tile | None):
   """The dropout multiplier of a tile (0 or 1 / (1 - rate)), or None: `dropout.keep` on global
   positions with this (batch row, head)'s stream from SMEM."""
-  if cfg.dropout_rate == 0:
+  if cfg.request.dropout_rate == 0:
     return None
-  start = 2 + (cfg.num_heads if cfg.alibi else 0)
-  stream = offsets_ref[start + batch * cfg.num_heads + head]
-  kept = dropout.keep(stream, tile.q_pos, tile.kv_pos, cfg.dropout_rate)
-  return jnp.where(kept, jnp.float32(dropout.keep_scale(cfg.dropout_rate)), jnp.float32(0.0))
+  start = 2 + (cfg.request.num_heads if cfg.request.has_alibi else 0)
+  stream = offsets_ref[start + batch * cfg.request.num_heads + head]
+  kept = dropout.keep(stream, tile.q_pos, tile.kv_pos, cfg.request.dropout_rate)
+  return jnp.where(kept, jnp.float32(dropout.keep_scale(cfg.request.dropout_rate)), jnp.float32(0.0))
 
 
 def _when_visited(step: _Step, update):
@@ -750,8 +572,8 @@ def _dot(cfg: _TpuCall, a, b, contract):
                           preferred_element_type=jnp.float32)
   if a.dtype != jnp.float32:
     return dot(a, b, precision=jax.lax.Precision.DEFAULT)
-  if cfg.precision != jax.lax.Precision.HIGH:
-    return dot(a, b, precision=cfg.precision)
+  if cfg.request.precision != jax.lax.Precision.HIGH:
+    return dot(a, b, precision=cfg.request.precision)
   a_hi, b_hi = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
   a_lo = (a - a_hi.astype(jnp.float32)).astype(jnp.bfloat16)
   b_lo = (b - b_hi.astype(jnp.float32)).astype(jnp.bfloat16)
@@ -766,13 +588,13 @@ def _unit(cfg: _TpuCall) -> float:
   them: base 2 (log2 e; the softmax runs on exp2) without a softcap; with one, whose tanh needs
   natural units, 1 / softcap (`_logits` then multiplies the tanh by softcap * log2 e: one multiply
   where there were three)."""
-  return LOG2E if cfg.softcap is None else 1.0 / cfg.softcap
+  return LOG2E if cfg.request.softcap is None else 1.0 / cfg.request.softcap
 
 
 def _fold(cfg: _TpuCall) -> float:
   """The factor folded into the q tile once per q block, so that the dot itself yields the
   logits in `_unit`s: scale * log2 e, or scale / softcap."""
-  return cfg.scale * _unit(cfg)
+  return cfg.request.scale * _unit(cfg)
 
 
 def _folded(cfg: _TpuCall, x):
@@ -793,19 +615,19 @@ def _logits(cfg: _TpuCall, a, b, alibi=None):
   s = _dot(cfg, a, b, _NT)
   if alibi is not None:
     s = s + alibi
-  if cfg.softcap is None:
+  if cfg.request.softcap is None:
     return s, None
   capped = jnp.tanh(s)
-  return (cfg.softcap * LOG2E) * capped, capped
+  return (cfg.request.softcap * LOG2E) * capped, capped
 
 
 def _cost(cfg: _TpuCall, b, h, per_pair_flops, nbytes):
   """A CostEstimate from the analytic count of visible pairs (ignoring segment ids, not known
   while tracing: an upper bound for packed sequences)."""
   q_off, kv_off = cfg.static_offsets or (0, 0)
-  pairs = masks.count_visible(cfg.q_len, cfg.kv_len, cfg.spec, q_off, kv_off) * b * h
+  pairs = masks.count_visible(cfg.request.q_len, cfg.request.kv_len, cfg.request.spec, q_off, kv_off) * b * h
   return pl.CostEstimate(flops=int(pairs * per_pair_flops),
-                         transcendentals=int(pairs * (1 + (cfg.softcap is not None))),
+                         transcendentals=int(pairs * (1 + (cfg.request.softcap is not None))),
                          bytes_accessed=int(nbytes))
 
 
@@ -832,7 +654,7 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
   #   bq * bk logits per step, and the steps read it from VMEM as they would read q_ref.
   # q_seg_scr [bq, 128]: this q block's segment ids as a column (made once per q block).
   step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
-  heads, d, dv = grid.tile_heads, cfg.head_dim, cfg.head_dim_v
+  heads, d, dv = grid.tile_heads, cfg.request.head_dim, cfg.request.head_dim_v
 
   @pl.when(step.first)
   def _init():
@@ -905,8 +727,8 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
 def _dims(cfg: _TpuCall, q, k):
   """(batch, heads, q_pad, kv_pad, head_dim, head_dim_v) of kernel-layout operands."""
   length_axis = 1 if cfg.token_major else 2
-  return (q.shape[0], cfg.num_heads, q.shape[length_axis], k.shape[length_axis], cfg.head_dim,
-          cfg.head_dim_v)
+  return (q.shape[0], cfg.request.num_heads, q.shape[length_axis], k.shape[length_axis], cfg.request.head_dim,
+          cfg.request.head_dim_v)
 
 
 def _operand_shape(cfg: _TpuCall, b: int, h: int, length: int, d: int) -> tuple[int, ...]:
@@ -932,7 +754,7 @@ def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
   # K/V are streamed once per q block for every q tile's heads: group / tile_heads times per
   # kv head.
   kv_reads = grid.num_outer * grid.group // heads
-  cost = _cost(cfg, b, h, 2 * cfg.head_dim + 2 * cfg.head_dim_v,
+  cost = _cost(cfg, b, h, 2 * cfg.request.head_dim + 2 * cfg.request.head_dim_v,
                _nbytes(q, *out_shape) + _nbytes(k, v) * kv_reads)
   return _call(_forward_kernel, "flash_layers_fwd", cfg, grid, steps, (offsets, *tables), inputs,
                in_specs, out_shape, [grid.q_tile(dv), grid.q_row()], scratch, cost)
@@ -994,7 +816,7 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
 
   @pl.when(step.last)
   def _finish():
-    dk_ref[...] = (dk_scr[...] * cfg.scale).astype(dk_ref.dtype)
+    dk_ref[...] = (dk_scr[...] * cfg.request.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
@@ -1017,7 +839,7 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
   # at its first step and writes dQ into the same window after its last; no other program
   # touches that window.
   step = grid.step(cfg, offsets_ref, plan_ref, tiles_ref)
-  heads, d, dv = grid.tile_heads, cfg.head_dim, cfg.head_dim_v
+  heads, d, dv = grid.tile_heads, cfg.request.head_dim, cfg.request.head_dim_v
 
   def row(ref, j):  # head j's [1, bq] row of lse or D
     return ref[j] if heads > 1 else ref[...]
@@ -1069,7 +891,7 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
   @pl.when(step.last)
   def _finish():
     for j in range(heads):
-      dq_ref[:, j * d:(j + 1) * d] = (dq_scr[j] * cfg.scale).astype(dq_ref.dtype)
+      dq_ref[:, j * d:(j + 1) * d] = (dq_scr[j] * cfg.request.scale).astype(dq_ref.dtype)
 
 
 def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, reuse_do: bool):
@@ -1098,7 +920,7 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
       dk_dv_shape, [grid.kv_tile(d), grid.kv_tile(dv)],
       [vmem((block_kv, d)), vmem((block_kv, dv)),
        *([pltpu.VMEM((block_kv, LANES), jnp.int32)] if cfg.has_segments else [])],
-      _cost(cfg, b, h, 4 * cfg.head_dim + 4 * cfg.head_dim_v,
+      _cost(cfg, b, h, 4 * cfg.request.head_dim + 4 * cfg.request.head_dim_v,
             _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * grid.num_outer))
 
   grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False,
@@ -1114,7 +936,7 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
       [vmem((heads, block_q, d)), vmem((heads, block_q, LANES)), vmem((heads, block_q, LANES)),
        pltpu.VMEM((heads, block_q, d), q.dtype), pltpu.VMEM((heads, block_q, dv), do.dtype),
        *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
-      _cost(cfg, b, h, 4 * cfg.head_dim + 2 * cfg.head_dim_v,
+      _cost(cfg, b, h, 4 * cfg.request.head_dim + 2 * cfg.request.head_dim_v,
             _nbytes(q, do, lse, delta, dq_shape) + _nbytes(k, v) * kv_reads),
       aliases={3: 0} if (reuse_do and cfg.token_major and do.shape == q.shape
                          and do.dtype == q.dtype) else None)
@@ -1122,7 +944,8 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
 
 
 # ----------------------------------------------------------------------------
-# The custom VJP (on padded, head-major arrays)
+# The custom VJP (on padded arrays in the kernels' layout: token-major [b, len_pad, heads * dim]
+# when both head dims are multiples of 128, else head-major [b, heads, len_pad, dim]; `_to_kernel`)
 # ----------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -1185,7 +1008,7 @@ def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, de
   The kernels recompute P = exp2(S2 - L2) from base-2 logits (`_logits`), so lse is handed to them
   in base 2, L2 = L * log2 e: one multiply per row here, fused with the masking below.
   """
-  real = (jnp.arange(lse.shape[-1]) < cfg.q_len)[None, None, None, :]
+  real = (jnp.arange(lse.shape[-1]) < cfg.request.q_len)[None, None, None, :]
   delta = jnp.where(real, delta, 0.0)
   lse = jnp.where(real & (lse > -jnp.inf), lse * LOG2E, jnp.inf)
   return _backward(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out, reuse_do)
