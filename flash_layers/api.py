@@ -63,7 +63,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     alibi_slopes: float [num_heads]: logits[b, h, i, j] += -alibi_slopes[h] * |i - j|
       (`flash_layers.alibi_slopes(num_heads)` gives the standard slopes).
     bias: float, broadcastable to [batch, num_heads, q_len, kv_len], added to the logits;
-      differentiable. Served by reference, xla_native and xla_chunked (not flash_pallas).
+      differentiable. Served by reference, xla_native, xla_dense and xla_chunked (not
+      flash_pallas or jax_splash).
     Order: logits = scale * q.k + alibi + bias, then softcap, then the mask, softmax in
       float32, then dropout.
     precision: of every matmul (q.k and p.v, and those of the gradient), as in `jnp.dot`:
@@ -79,12 +80,15 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
       The call then runs inside `shard_map`: batch over data x fsdp, heads over
       tensor, ring attention over sequence (`flash_layers.parallel`).
+    Arrays may be NumPy or jax arrays (a bias also a Python number), numbers Python, NumPy or
+      concrete 0-d jax values: `dispatch.prepare` converts each once, with identical results.
 
   Returns:
     [batch, q_len, num_heads, head_dim_v] in the query's dtype. A query that sees
     no key gets zeros (and zero gradients).
   """
   dispatch.check_impl(impl)
+  query, key, value = dispatch.as_qkv(query, key, value)
   request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
                           softcap=softcap, block_sizes=block_sizes, global_tokens=global_tokens,
@@ -146,6 +150,7 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   device runs on its local shard, and `.sharding` says how the call is split.
   """
   dispatch.check_impl(impl)
+  query, key, value = dispatch.as_qkv(query, key, value)
   request, args = prepare(query, key, value, **kwargs)
   here = lowering.default_platform()
   mesh = sharded.resolve_mesh(mesh)

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any
 
 import jax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 
 INTERPRET_PLATFORMS = ("tpu", "gpu")
 
@@ -88,3 +91,58 @@ def manual_device_count() -> int:
     manual = [n for n, t in zip(mesh.axis_names, types, strict=False) if "manual" in str(t).lower()]
   shape = dict(mesh.shape)
   return math.prod(int(shape[a]) for a in manual)
+
+
+# ----------------------------------------------------------------------------
+# An error raised when a branch is lowered
+# ----------------------------------------------------------------------------
+# `jax.lax.platform_dependent` traces every branch but lowers only the one of the platform being
+# compiled for. A branch that cannot serve a call (flash_pallas's TPU kernels given the GPU
+# family's block sizes) returns `fails_when_lowered(...)`: values of the right shapes that raise
+# the ValueError when, and only when, that branch is lowered, i.e. when it would run.
+
+_unlowerable_p = jex_core.Primitive("flash_layers_fails_when_lowered")
+_unlowerable_p.multiple_results = True
+
+
+def _unlowerable_abstract(*, message: str, shapes: tuple) -> list:
+  return [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
+
+
+def _unlowerable_raise(*_, message: str, **__):
+  raise ValueError(message)
+
+
+_unlowerable_p.def_abstract_eval(_unlowerable_abstract)
+_unlowerable_p.def_impl(_unlowerable_raise)
+mlir.register_lowering(_unlowerable_p, _unlowerable_raise)
+
+
+def _bind(message: str, shapes) -> list:
+  return _unlowerable_p.bind(message=message,
+                             shapes=tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in shapes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fails(message, shapes, operands):
+  return _bind(message, shapes)
+
+
+def _fails_fwd(message, shapes, operands):
+  return _bind(message, shapes), operands
+
+
+def _fails_bwd(message, shapes, operands, cotangents):
+  # The gradient fails the same way: a branch differentiated with its output unused (a loss
+  # linear in it) must not lower to zeros.
+  return (tuple(_bind(message, operands)),)
+
+
+_fails.defvjp(_fails_fwd, _fails_bwd)
+
+
+def fails_when_lowered(message: str, shapes, *operands: jax.Array) -> list[jax.Array]:
+  """Arrays of `shapes` (`jax.ShapeDtypeStruct`s) whose lowering (or eager evaluation) raises
+  ValueError(message), and so does that of their gradient with respect to `operands`."""
+  shapes = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in shapes)
+  return _fails(message, shapes, tuple(operands))

@@ -2,8 +2,9 @@
 
 `BlockSizes` (TPU: multiples of the 128 lanes) and `GpuBlockSizes` (GPU: powers of
 two >= 16, plus Triton launch parameters) are user-facing: pass either as
-`fl.attention(..., block_sizes=...)`. A family given the other family's sizes
-keeps its own defaults, so one call site can serve both platforms.
+`fl.attention(..., block_sizes=...)`. The family is the one of the platform the call
+is lowered for; the other family's sizes raise a ValueError then
+(`flash_pallas.wrong_block_sizes`).
 """
 
 from __future__ import annotations
