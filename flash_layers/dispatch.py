@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import dropout, lowering, masks
-from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry
+from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry, tiling
 from flash_layers.tuning import cache as tuning_cache
 
 log = logging.getLogger("flash_layers")
@@ -391,6 +391,28 @@ def _tuned_impl_allowed(impl: str, tuned: str, request: Request, platform: str) 
   return tuned in allowed and REGISTRY[tuned].unsupported(request, platform) is None
 
 
+# The block-size classes each explicitly chosen impl reads (flash_pallas: the family of the platform
+# lowered for, checked again there). Sizes of any other class would be ignored, so they raise instead.
+# "auto" passes sizes to whichever impl it picks; `explain` shows which.
+BLOCK_SIZE_TYPES: dict[str, tuple[type, ...]] = {
+    "flash_pallas": (tiling.BlockSizes, tiling.GpuBlockSizes),
+    "jax_splash": (tiling.BlockSizes,),
+    "xla_chunked": (tiling.CpuBlockSizes,),
+    "xla_dense": (tiling.CpuBlockSizes,),
+}
+
+
+def check_block_sizes(impl: str, block_sizes) -> None:
+  """Raise if an explicitly chosen impl would ignore `block_sizes` (another family's, or any)."""
+  if impl == AUTO or block_sizes is None or isinstance(block_sizes, str):
+    return
+  accepted = BLOCK_SIZE_TYPES.get(impl, ())
+  if not isinstance(block_sizes, accepted):
+    takes = " or ".join(t.__name__ for t in accepted) or "no block sizes"
+    raise ValueError(f"block_sizes for impl={impl!r} must be {takes}; got {type(block_sizes).__name__} "
+                     "(None for the impl's defaults, or 'autotune')")
+
+
 def choose(impl: str, request: Request, platform: str) -> tuple[str, str, Request, str]:
   """(impl name, reason, the request it runs, where its configuration came from).
 
@@ -398,6 +420,7 @@ def choose(impl: str, request: Request, platform: str) -> tuple[str, str, Reques
   with ``block_sizes="autotune"``, take the cached configuration for this device and shape bucket
   when there is one. The source is "tuned (cache hit)", "shipped" or "default".
   """
+  check_block_sizes(impl, request.block_sizes)
   autotune = isinstance(request.block_sizes, str) and request.block_sizes == tuning_cache.AUTOTUNE
   if autotune:
     request = dataclasses.replace(request, block_sizes=None)

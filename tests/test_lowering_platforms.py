@@ -81,6 +81,23 @@ def test_jax_splash_refuses_gpu_sizes():
     fl.attention(*_qkv(), impl="jax_splash", block_sizes=fl.GpuBlockSizes())
 
 
+@pytest.mark.parametrize("impl,sizes,takes", [
+    ("flash_pallas", fl.CpuBlockSizes(block_q=64), "BlockSizes or GpuBlockSizes"),
+    ("xla_chunked", fl.BlockSizes(128, 128), "CpuBlockSizes"),
+    ("xla_dense", fl.GpuBlockSizes(), "CpuBlockSizes"),
+    ("reference", fl.CpuBlockSizes(), "no block sizes"),
+    ("xla_native", fl.BlockSizes(128, 128), "no block sizes"),
+])
+def test_an_explicit_impl_refuses_sizes_it_would_ignore(impl, sizes, takes):
+  """Sizes of a class the chosen impl never reads raise (they were silently dropped)."""
+  for entry in (fl.attention, fl.explain):
+    with pytest.raises(ValueError) as err:
+      entry(*_qkv(), impl=impl, block_sizes=sizes)
+    message = str(err.value)
+    assert f"block_sizes for impl={impl!r} must be {takes}" in message, message
+    assert type(sizes).__name__ in message
+
+
 # ----------------------------------------------------------------------------
 # The auto choice per lowering platform
 # ----------------------------------------------------------------------------

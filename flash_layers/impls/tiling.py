@@ -111,7 +111,8 @@ class CpuBlockSizes:
   loop_bytes: the per-row/per-head loop threshold (`impls/cpu_loop.py`): a call whose float32
     logits tile over every row and head exceeds this many bytes runs one batch row and kv head at
     a time. 0 always loops; a huge value never does.
-  The flash_pallas and jax_splash families ignore these sizes, as they ignore each other's.
+  Only xla_chunked and xla_dense take them: any other explicitly chosen impl raises
+  (`dispatch.check_block_sizes`); "auto" hands them to the impl it picks.
   """
 
   block_q: int | None = None
