@@ -340,6 +340,14 @@ REGISTRY.update({
        for layers, f, n in (("1layer", _EVAL_1, 5), ("6layers", _EVAL_6, 3)) for op in ("min", "max")},
 })
 
+_STRICT = "strict-tier-cpu-2026-12-03.json"
+REGISTRY.update({
+    "strict.cpu_s": Number(_STRICT, "strict_tier.cpu_seconds_total", ".0f"),
+    "strict.wall_s": Number(_STRICT, "strict_tier.wall_seconds", ".0f"),
+    "strict.tests": Number(_STRICT, "strict_tier.passed", "d"),
+    "tpucheck.dry_cpu_s": Number(_STRICT, "tpu_check_dry_run.cpu_seconds_total", ".1f"),
+})
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading a number.

@@ -28,30 +28,22 @@
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
-import datetime
 import inspect
 import itertools
-import json
-import pathlib
-import platform as host_platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import flash_layers as fl
-from flash_layers.testing import reference64
+from benchmarks import device_check
+from benchmarks.device_check import PASSES, device_description  # noqa: F401  (this check's API)
 
 IMPLS = ("flash_pallas", "cudnn", "xla", "pallas_mha")
-PASSES = ("fwd", "fwd+bwd")
-FLOOR = {"float32": 1e-5, "bfloat16": 2e-3, "float16": 5e-4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,83 +81,24 @@ CONFORMANCE = {
 DRY_RUN_CONFORMANCE = ("tiny_packed_causal_gqa",)
 
 
-def _float64_oracle():
-  """The suite's independent float64 oracle (`flash_layers.testing.reference64`)."""
-  return reference64
-
-
-def _packed_ids(rng, batch, length):
-  """Per row: 1-4 documents of random lengths, then a little padding (id 0)."""
-  ids = np.zeros((batch, length), np.int32)
-  for row in range(batch):
-    real = length - int(rng.integers(0, length // 8 + 1))
-    cuts = np.sort(rng.choice(np.arange(1, real), size=int(rng.integers(0, 4)), replace=False))
-    ids[row, :real] = 1 + np.searchsorted(cuts, np.arange(real), side="right")
-  return ids
-
-
-def _relative_errors(actual: dict, expected: dict) -> dict[str, float]:
-  return {name: float(np.abs(actual[name] - expected[name]).max()
-                      / max(np.abs(expected[name]).max(), 1e-30))
-          for name in ("out", "dq", "dk", "dv")}
-
-
-def _run_impl(impl: str, dtype: str, arrays, kwargs, interpret: bool) -> dict:
-  q, k, v, dout = (jnp.asarray(a, dtype) for a in arrays)
-
-  def fwd_bwd(q, k, v, dout):
-    out, vjp = jax.vjp(lambda q, k, v: fl.attention(q, k, v, impl=impl, **kwargs), q, k, v)
-    return (out, *vjp(dout))
-
-  context = fl.interpret_as("gpu") if interpret and impl == "flash_pallas" else _nullcontext()
-  with context:
-    result = jax.jit(fwd_bwd)(q, k, v, dout)
-  return {name: np.asarray(x.astype(jnp.float32), np.float64)
-          for name, x in zip(("out", "dq", "dk", "dv"), result, strict=True)}
-
-
-class _nullcontext:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
+def _interpret(plan: Plan):
+  return (lambda: fl.interpret_as("gpu")) if plan.interpret else contextlib.nullcontext
 
 
 def conformance(plan: Plan, names) -> list[dict]:
-  oracle = _float64_oracle()
   rows = []
   for name in names:
     b, t, s, h, kvh, d, dv, kwargs, packed = CONFORMANCE[name]
     rng = np.random.default_rng(len(rows))
     kwargs = dict(kwargs)
     if packed:
-      kwargs["segment_ids"] = _packed_ids(rng, b, t)
+      kwargs["segment_ids"] = device_check.packed_ids(rng, b, t)
     shapes = [(b, t, h, d), (b, s, kvh, d), (b, s, kvh, dv), (b, t, h, dv)]
     base = [rng.standard_normal(shape).astype(np.float32) for shape in shapes]
     for dtype in plan.dtypes:
-      # Round to the dtype first, so float64 sees exactly what the kernels see.
-      arrays = [np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in base]
-      visible = oracle.mask(b, t, s, causal=kwargs.get("causal", False), window=kwargs.get("window"),
-                            segment_ids=kwargs.get("segment_ids"),
-                            kv_segment_ids=kwargs.get("segment_ids"))[:, None]
-      expected = oracle.attention(*arrays[:3], visible, softcap=kwargs.get("softcap"), dout=arrays[3])
-      row = {"config": name, "dtype": dtype}
-      try:
-        with fl.interpret_as("gpu") if plan.interpret else _nullcontext():
-          row["kernel"] = fl.explain(*arrays[:3], impl="flash_pallas", **kwargs).kernel
-        ours = _relative_errors(_run_impl("flash_pallas", dtype, arrays, kwargs, plan.interpret), expected)
-        ref = _relative_errors(_run_impl("reference", dtype, arrays, kwargs, False), expected)
-        limits = {n: 2 * ref[n] + FLOOR[dtype] for n in ours}
-        row.update(errors=ours, limits=limits,
-                   passed=all(ours[n] <= limits[n] for n in ours)
-                   and row["kernel"].startswith("pallas-gpu"))
-      except Exception as e:  # report, keep going: one run must return everything it can
-        row.update(passed=False, error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")
-      rows.append(row)
-      print(f"  conformance {name:26s} {dtype:9s} {'ok  ' if row['passed'] else 'FAIL'} "
-            + (", ".join(f"{n} {e:.1e}/{row['limits'][n]:.1e}" for n, e in row["errors"].items())
-               if "errors" in row else row.get("error", "")), flush=True)
+      rows.append(device_check.conformance_row(
+          name, "flash_pallas", dtype, base, kwargs, context=_interpret(plan),
+          kernel_ok=lambda kernel: kernel.startswith("pallas-gpu")))
   return rows
 
 
@@ -198,26 +131,9 @@ def _attention_fn(impl: str, causal: bool, interpret: bool) -> Callable | None:
   return lambda q, k, v: mha(q, k, v, None, sm_scale=q.shape[-1] ** -0.5, causal=causal, **kwargs)
 
 
-def _step(fn: Callable, pass_: str) -> Callable:
-  if pass_ == "fwd":
-    return jax.jit(fn)
-
-  def loss(q, k, v, cotangent):
-    return jnp.sum(fn(q, k, v).astype(jnp.float32) * cotangent)
-
-  return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
-
-
 def flops(batch, heads, length, head_dim, causal, pass_) -> float:
   forward = 4.0 * batch * heads * length * length * head_dim
-  return forward * (3.5 if pass_ == "fwd+bwd" else 1.0) * (0.5 if causal else 1.0)
-
-
-def _check_outputs(result) -> None:
-  for x in jax.tree_util.tree_leaves(result):
-    x = np.asarray(x.astype(jnp.float32))
-    if not np.all(np.isfinite(x)) or not np.any(x):
-      raise FloatingPointError("output is not finite or all zeros")
+  return forward * device_check.PASS_FLOPS[pass_] * (0.5 if causal else 1.0)
 
 
 def time_cell(impl, length, head_dim, causal, pass_, plan: Plan) -> dict:
@@ -237,25 +153,12 @@ def time_cell(impl, length, head_dim, causal, pass_, plan: Plan) -> dict:
       args.append(jax.random.normal(kc, shape, jnp.float32))
     inputs.append(args)
   try:
-    with fl.interpret_as("gpu") if plan.interpret else _nullcontext():
-      step = _step(fn, pass_)
-      start = time.perf_counter()
-      compiled = step.lower(*inputs[0]).compile()
-      row["compile_s"] = time.perf_counter() - start
-    _check_outputs(jax.block_until_ready(compiled(*inputs[0])))  # warm-up
-    times = []
-    for i in range(plan.repeats):
-      args = inputs[i % len(inputs)]
-      start = time.perf_counter()
-      jax.block_until_ready(compiled(*args))
-      times.append(time.perf_counter() - start)
-    seconds = statistics.median(times)
-    _check_outputs(compiled(*inputs[-1]))
+    timed = device_check.time_step(device_check.training_step(fn, pass_), inputs, plan.repeats,
+                                   _interpret(plan)())
   except Exception as e:  # unsupported on this device/jax, or out of memory: a cell, not a crash
-    text = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:160] if str(e).strip() else ''}"
-    return row | {"status": "oom" if "RESOURCE_EXHAUSTED" in text else "error", "error": text}
-  return row | {"status": "ok", "seconds": seconds, "runs": len(times),
-                "tflops": flops(batch, plan.heads, length, head_dim, causal, pass_) / seconds / 1e12}
+    return row | device_check.error_row(e)
+  return row | {"status": "ok", **timed,
+                "tflops": flops(batch, plan.heads, length, head_dim, causal, pass_) / timed["seconds"] / 1e12}
 
 
 # The headline target cell (H200, bf16): timed first, so a run cut short by its budget still has it.
@@ -265,20 +168,19 @@ TARGET = (8192, 128, True)
 def timing(plan: Plan, budget_s: float) -> list[dict]:
   shapes = list(itertools.product(plan.lengths, plan.head_dims, plan.causal))
   shapes.sort(key=lambda shape: shape != TARGET)  # stable: the rest keep their order
-  rows = []
-  deadline = time.monotonic() + budget_s
-  for (length, head_dim, causal), pass_, impl in itertools.product(shapes, PASSES, IMPLS):
-    if time.monotonic() > deadline:
-      rows.append({"impl": impl, "seq_len": length, "head_dim": head_dim, "causal": causal,
-                   "pass": pass_, "status": "skipped (budget)"})
-      continue
-    row = time_cell(impl, length, head_dim, causal, pass_, plan)
-    rows.append(row)
-    print(f"  time {impl:12s} {length:6d} d{head_dim:<3d} {'causal' if causal else 'full  '} "
-          f"{pass_:7s} " + (f"{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
-                            if row["status"] == "ok" else row["status"] + " " + row.get("error", "")),
-          flush=True)
-  return rows
+  cells = [(length, head_dim, causal, pass_, impl)
+           for (length, head_dim, causal), pass_, impl in itertools.product(shapes, PASSES, IMPLS)]
+
+  def describe(row):
+    return (f"{row['impl']:12s} {row['seq_len']:6d} d{row['head_dim']:<3d} "
+            f"{'causal' if row['causal'] else 'full  '} {row['pass']:7s} "
+            + (f"{row['seconds'] * 1e3:9.3f} ms {row['tflops']:7.1f} TFLOP/s"
+               if row["status"] == "ok" else row["status"] + " " + row.get("error", "")))
+
+  return device_check.run_cells(
+      cells, budget_s, lambda cell: time_cell(cell[4], *cell[:4], plan),
+      lambda cell: dict(zip(("seq_len", "head_dim", "causal", "pass", "impl"), cell, strict=True)),
+      describe)
 
 
 # ----------------------------------------------------------------------------
@@ -312,23 +214,8 @@ def markdown(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def device_description() -> dict[str, Any]:
-  device = jax.devices()[0]
-  return {"platform": device.platform, "device_kind": getattr(device, "device_kind", ""),
-          "compute_capability": str(getattr(device, "compute_capability", "")),
-          "jax": jax.__version__, "python": host_platform.python_version(),
-          "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
-
-
 def main(argv: list[str] | None = None) -> int:
-  parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_check", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-  parser.add_argument("--dry-run", action="store_true",
-                      help="CPU, Pallas interpret mode, tiny sizes: checks the script itself")
-  parser.add_argument("--json", type=pathlib.Path, help="write every row and the device here")
-  parser.add_argument("--budget-s", type=float, default=330.0, help="seconds for the timing phase")
-  parser.add_argument("--skip-conformance", action="store_true")
-  args = parser.parse_args(argv)
+  args = device_check.parser("python -m benchmarks.gpu_check", __doc__, 330.0).parse_args(argv)
 
   plan = DRY_RUN if args.dry_run else Plan()
   device = device_description()
@@ -343,11 +230,9 @@ def main(argv: list[str] | None = None) -> int:
   table = markdown(rows)
   passed = sum(c["passed"] for c in checks)
   print(f"\nconformance: {passed}/{len(checks)} passed\n\n{table}")
-  if args.json:
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    report = {"device": device, "dry_run": args.dry_run, "plan": dataclasses.asdict(plan),
-              "conformance": checks, "timing": rows, "table": table}
-    args.json.write_text(json.dumps(report, indent=1))
+  device_check.write_report(args.json, {
+      "device": device, "dry_run": args.dry_run, "plan": dataclasses.asdict(plan),
+      "conformance": checks, "timing": rows, "table": table})
   return 0 if passed == len(checks) else 1
 
 

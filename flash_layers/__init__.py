@@ -13,12 +13,13 @@ _host.default_to_cpu_without_accelerator()
 from flash_layers.api import Explanation, attention, explain  # noqa: E402
 from flash_layers.dropout import alibi_slopes, dropout_mask  # noqa: E402
 from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
-from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes  # noqa: E402
+from flash_layers.impls.tiling import BlockSizes, CpuBlockSizes, GpuBlockSizes  # noqa: E402
 from flash_layers.layers import MultiHeadAttention, attention_fn  # noqa: E402
 from flash_layers.lowering import interpret_as  # noqa: E402
 from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
+from flash_layers.tuning.tuner import autotune  # noqa: E402
 
-__all__ = ["IMPLS", "LOGICAL_RULES", "BlockSizes", "Explanation", "GpuBlockSizes", "MultiHeadAttention",
-           "UnsupportedError", "alibi_slopes", "attention", "attention_fn", "dropout_mask", "explain",
-           "interpret_as", "make_mesh"]
+__all__ = ["IMPLS", "LOGICAL_RULES", "BlockSizes", "CpuBlockSizes", "Explanation", "GpuBlockSizes",
+           "MultiHeadAttention", "UnsupportedError", "alibi_slopes", "attention", "attention_fn", "autotune",
+           "dropout_mask", "explain", "interpret_as", "make_mesh"]
 __version__ = "0.1.0"

@@ -12,9 +12,11 @@ from typing import Any
 import jax
 
 from flash_layers import dispatch, lowering
-from flash_layers.dispatch import AUTO, attend, prepare, resolve
+from flash_layers.dispatch import AUTO, attend, choose, prepare
 from flash_layers.impls import REGISTRY, registry
 from flash_layers.parallel import sharded
+from flash_layers.tuning import tuner
+from flash_layers.tuning.cache import AUTOTUNE
 
 __all__ = ["AUTO", "Explanation", "attention", "explain"]
 
@@ -61,7 +63,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     alibi_slopes: float [num_heads]: logits[b, h, i, j] += -alibi_slopes[h] * |i - j|
       (`flash_layers.alibi_slopes(num_heads)` gives the standard slopes).
     bias: float, broadcastable to [batch, num_heads, q_len, kv_len], added to the logits;
-      differentiable. Served by reference, xla_native and xla_chunked (not flash_pallas).
+      differentiable. Served by reference, xla_native, xla_dense and xla_chunked (not
+      flash_pallas or jax_splash).
     Order: logits = scale * q.k + alibi + bias, then softcap, then the mask, softmax in
       float32, then dropout.
     precision: of every matmul (q.k and p.v, and those of the gradient), as in `jnp.dot`:
@@ -69,17 +72,23 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       "tensorfloat32", "float32") or a `jax.lax.Precision`. None: "highest" (full float32
       products) for float32 inputs, "default" for bfloat16 (whose products are exact anyway).
       What each means per platform: docs/contract.md, "Precision".
-    block_sizes: flash_pallas tile sizes (see its BlockSizes); None for the defaults.
+    block_sizes: tile sizes: flash_pallas's `BlockSizes` (TPU) or `GpuBlockSizes`, the CPU layouts'
+      `CpuBlockSizes`; None for the defaults ("auto" then reads the tuning cache); "autotune": the
+      tuned configuration for this device and shape bucket, tuned now on a cache miss
+      (`flash_layers.autotune`, docs/tuning.md).
     mesh: a `jax.sharding.Mesh` with axes from ("data", "fsdp", "tensor", "sequence")
       (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
       The call then runs inside `shard_map`: batch over data x fsdp, heads over
       tensor, ring attention over sequence (`flash_layers.parallel`).
+    Arrays may be NumPy or jax arrays (a bias also a Python number), numbers Python, NumPy or
+      concrete 0-d jax values: `dispatch.prepare` converts each once, with identical results.
 
   Returns:
     [batch, q_len, num_heads, head_dim_v] in the query's dtype. A query that sees
     no key gets zeros (and zero gradients).
   """
   dispatch.check_impl(impl)
+  query, key, value = dispatch.as_qkv(query, key, value)
   request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
                           kv_segment_ids=kv_segment_ids, window=window, scale=scale,
                           softcap=softcap, block_sizes=block_sizes, global_tokens=global_tokens,
@@ -87,8 +96,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
                           dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes, bias=bias,
                           precision=precision)
   mesh = sharded.resolve_mesh(mesh)
-  if mesh is not None:
-    plan = sharded.make_plan(request, mesh)
+  plan = None if mesh is None else sharded.make_plan(request, mesh)
+  if block_sizes == AUTOTUNE:  # tune what each device runs, unless the cache has it
+    tuner.ensure_tuned(impl, request if plan is None else plan.local)
+  if plan is not None:
     out, _ = sharded.sharded_attend(query, key, value, impl=impl, request=request, args=args, plan=plan)
     return out
   out, _ = attend(query, key, value, impl=impl, request=request, args=args)
@@ -106,6 +117,8 @@ class Explanation:
   blocks_total: int | None = None
   sharding: str | None = None  # how a call with a mesh is split; None: one device
   grid_steps: int | None = None  # kernel grid steps of the forward pass (TPU kernels), if known
+  tuning: str = "default"  # where the configuration came from: "tuned (cache hit)", "shipped", "default"
+  block_sizes: Any = None  # the tuned block sizes the impl runs with (None: its defaults)
 
   @property
   def block_fraction(self) -> float | None:
@@ -122,6 +135,9 @@ class Explanation:
       text += f"; grid steps {self.grid_steps}"
     if self.sharding is not None:
       text += f"; {self.sharding}"
+    text += f"; configuration: {self.tuning}"
+    if self.block_sizes is not None:
+      text += f" {self.block_sizes}"
     return text
 
 
@@ -134,12 +150,14 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   device runs on its local shard, and `.sharding` says how the call is split.
   """
   dispatch.check_impl(impl)
+  query, key, value = dispatch.as_qkv(query, key, value)
   request, args = prepare(query, key, value, **kwargs)
   here = lowering.default_platform()
   mesh = sharded.resolve_mesh(mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
-  name, reason = resolve(impl, request if plan is None else plan.local, here)
+  name, reason, local, source = choose(impl, request if plan is None else plan.local, here)
   chosen = REGISTRY[name]
+  request = dataclasses.replace(request, block_sizes=local.block_sizes)  # the sizes that run
   visited = total = None
   if registry.impl_has(name, "block_stats"):
     stats = chosen.block_stats(request, args, here)
@@ -147,4 +165,5 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
       visited, total = stats
   steps = chosen.grid_steps(request, args, here) if registry.impl_has(name, "grid_steps") else None
   sharding = None if plan is None else plan.describe(request)
-  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps)
+  return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps, source,
+                     local.block_sizes if source != "default" else None)

@@ -9,6 +9,7 @@ this module; it imports none of them.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import jax
@@ -16,7 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import dropout, lowering, masks
-from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry
+from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry, tiling
+from flash_layers.tuning import cache as tuning_cache
 
 log = logging.getLogger("flash_layers")
 
@@ -33,6 +35,52 @@ CPU_CHUNKED_MIN_KV_LEN = 1024
 # ----------------------------------------------------------------------------
 # Validation
 # ----------------------------------------------------------------------------
+
+# Every public entry point takes NumPy arrays, jax arrays and Python numbers alike. They are
+# converted once, here: array arguments to jax arrays (an impl may index one with a tracer, which
+# a NumPy array refuses), static numbers (scale, window, offsets, ...) to the Python bool/int/float
+# they hold, so a Request and the jit caches key on the value, not on its type.
+
+def as_array(name: str, x):
+  """An array argument as a jax array: a NumPy array or scalar, or a Python number, is converted;
+  jax arrays (tracers included), `jax.ShapeDtypeStruct`s (explain on abstract arguments) and None
+  pass through unchanged; anything else (a list, a string) is a TypeError naming the argument."""
+  if x is None or isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+    return x
+  if isinstance(x, (np.ndarray, np.generic, int, float)):
+    return jnp.asarray(np.asarray(x))  # via NumPy: a Python number is strongly typed, as NumPy's
+  raise TypeError(f"{name} must be an array (NumPy or jax) or a Python number; got {type(x).__name__}")
+
+
+def as_static(name: str, value, *, traced_ok: bool = False):
+  """A NumPy scalar or a concrete 0-d array -> the Python bool/int/float it holds; anything else
+  unchanged (the checks that follow judge it). A traced 0-d value is refused by name, unless
+  `traced_ok` (position offsets, which ring attention traces)."""
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, (np.ndarray, jax.Array)) and value.ndim == 0:
+    try:
+      return value.item()
+    except jax.errors.ConcretizationTypeError:
+      if traced_ok:
+        return value
+      raise TypeError(f"{name} must be a static Python number; got a traced value "
+                      f"{_shape_str(value)} (pass it as a static argument of jit)") from None
+  return value
+
+
+def as_qkv(query, key, value):
+  """query, key and value as jax arrays (`as_array`)."""
+  return tuple(as_array(name, x) for name, x in (("query", query), ("key", key), ("value", value)))
+
+
+def _static_window(window):
+  if isinstance(window, (np.ndarray, jax.Array)) and window.ndim == 1:
+    window = tuple(window)
+  if isinstance(window, (tuple, list)):
+    return tuple(as_static("window", w) for w in window)
+  return as_static("window", window)
+
 
 def _shape_str(x) -> str:
   return f"{jnp.result_type(x)}{tuple(np.shape(x))}"
@@ -78,20 +126,25 @@ def _check_segments(segment_ids, kv_segment_ids, batch, q_len, kv_len):
       raise ValueError(f"cross-attention (q_len={q_len} != kv_len={kv_len}) with segment_ids "
                        "needs kv_segment_ids [batch, kv_len] too")
     kv_segment_ids = segment_ids
+  checked = []
   for name, seg, length in (("segment_ids", segment_ids, q_len),
                             ("kv_segment_ids", kv_segment_ids, kv_len)):
-    if not hasattr(seg, "shape") or not hasattr(seg, "dtype"):
-      raise TypeError(f"{name} must be an integer array [batch, length]; got {type(seg).__name__}")
+    seg = as_array(name, seg)
     if not jnp.issubdtype(seg.dtype, jnp.integer):
       raise TypeError(f"{name} must be an integer array [batch, length]=({batch}, {length}); "
                       f"got {_shape_str(seg)}")
     if tuple(seg.shape) != (batch, length):
       raise ValueError(f"{name} must have shape [batch, length]=({batch}, {length}); "
                        f"got {tuple(seg.shape)}")
-  return segment_ids.astype(jnp.int32), kv_segment_ids.astype(jnp.int32)
+    if isinstance(seg, jax.ShapeDtypeStruct):  # explain() on abstract arguments
+      checked.append(jax.ShapeDtypeStruct(seg.shape, jnp.int32))
+    else:
+      checked.append(seg.astype(jnp.int32))
+  return tuple(checked)
 
 
 def _check_scalar(name, value, *, positive):
+  value = as_static(name, value)
   if value is None:
     return None
   if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -105,6 +158,7 @@ def _check_scalar(name, value, *, positive):
 
 def _check_dropout(rate, rng, broadcast):
   """-> (rate, int32[2] seed or None, broadcast)."""
+  rate, broadcast = as_static("dropout_rate", rate), as_static("dropout_broadcast", broadcast)
   if isinstance(rate, bool) or not isinstance(rate, (int, float, np.integer, np.floating)):
     raise TypeError(f"dropout_rate must be a Python float in [0, 1); got {type(rate).__name__} {rate!r}")
   rate = float(rate)
@@ -127,8 +181,9 @@ def _check_dropout(rate, rng, broadcast):
 def _check_alibi(slopes, num_heads):
   if slopes is None:
     return None
-  if not hasattr(slopes, "shape") or not hasattr(slopes, "dtype"):
+  if isinstance(slopes, (list, tuple)):
     slopes = np.asarray(slopes)
+  slopes = as_array("alibi_slopes", slopes)
   if not jnp.issubdtype(slopes.dtype, jnp.floating) or tuple(slopes.shape) != (num_heads,):
     raise ValueError(f"alibi_slopes must be a float array [num_heads]=({num_heads},) "
                      f"(flash_layers.alibi_slopes({num_heads}) gives the standard ones); "
@@ -139,9 +194,7 @@ def _check_alibi(slopes, num_heads):
 def _check_bias(bias, shape):
   if bias is None:
     return None
-  if not hasattr(bias, "shape") or not hasattr(bias, "dtype"):
-    raise TypeError(f"bias must be a float array broadcastable to [batch, heads, q_len, kv_len]={shape}; "
-                    f"got {type(bias).__name__}")
+  bias = as_array("bias", bias)
   if not jnp.issubdtype(bias.dtype, jnp.floating) or bias.ndim > 4:
     raise ValueError(f"bias must be a float array broadcastable to [batch, heads, q_len, kv_len]={shape}; "
                      f"got {_shape_str(bias)}")
@@ -202,6 +255,10 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   """Validate a call; return its static Request and array Args (with global tokens, the segment
   ids are encoded here, on the whole sequence: masks.encode_global)."""
   _check_qkv(query, key, value)
+  causal, global_tokens = as_static("causal", causal), as_static("global_tokens", global_tokens)
+  window = _static_window(window)
+  q_offset = as_static("q_offset", q_offset, traced_ok=True)
+  kv_offset = as_static("kv_offset", kv_offset, traced_ok=True)
   b, t, h, d = query.shape
   s, kvh, dv = key.shape[1], key.shape[2], value.shape[3]
   q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
@@ -220,7 +277,7 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   scale = _check_scalar("scale", scale, positive=False)
   softcap = _check_scalar("softcap", softcap, positive=True)
   if dense_mask is not None:
-    dense_mask = jnp.asarray(dense_mask, dtype=bool)
+    dense_mask = jnp.asarray(as_array("mask", dense_mask), dtype=bool)
     while dense_mask.ndim < 4:
       dense_mask = dense_mask[None]
     try:
@@ -232,6 +289,9 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   slopes = _check_alibi(alibi_slopes, h)
   bias = _check_bias(bias, (b, h, t, s))
   precision = resolve_precision(precision, query.dtype)
+  if isinstance(block_sizes, str) and block_sizes != tuning_cache.AUTOTUNE:
+    raise ValueError(f"block_sizes must be a block-size object, None or {tuning_cache.AUTOTUNE!r}; "
+                     f"got {block_sizes!r}")
   request = Request(
       batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kvh, head_dim=d, head_dim_v=dv,
       dtype=jnp.dtype(query.dtype).name, spec=spec, has_segment_ids=q_seg is not None,
@@ -313,7 +373,7 @@ def _signature(r: Request) -> str:
 
 
 # Platforms whose choice may differ: the call is lowered with one branch per platform.
-_DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda")
+_DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
 
 
 def _run(name: str, query, key, value, request: Request, args: Args):
@@ -322,29 +382,86 @@ def _run(name: str, query, key, value, request: Request, args: Args):
     return REGISTRY[name].attend(query, key, value, request=request, args=args)
 
 
+def _tuned_impl_allowed(impl: str, tuned: str, request: Request, platform: str) -> bool:
+  """A cache entry may choose among the impls "auto" itself may take on this platform (the same
+  contract, never `reference`), or confirm the explicit impl it was tuned for."""
+  if impl != AUTO:
+    return tuned == impl
+  allowed = {name for name, _ in _auto_candidates(request, platform)} - {"reference"}
+  return tuned in allowed and REGISTRY[tuned].unsupported(request, platform) is None
+
+
+# The block-size classes each explicitly chosen impl reads (flash_pallas: the family of the platform
+# lowered for, checked again there). Sizes of any other class would be ignored, so they raise instead.
+# "auto" passes sizes to whichever impl it picks; `explain` shows which.
+BLOCK_SIZE_TYPES: dict[str, tuple[type, ...]] = {
+    "flash_pallas": (tiling.BlockSizes, tiling.GpuBlockSizes),
+    "jax_splash": (tiling.BlockSizes,),
+    "xla_chunked": (tiling.CpuBlockSizes,),
+    "xla_dense": (tiling.CpuBlockSizes,),
+}
+
+
+def check_block_sizes(impl: str, block_sizes) -> None:
+  """Raise if an explicitly chosen impl would ignore `block_sizes` (another family's, or any)."""
+  if impl == AUTO or block_sizes is None or isinstance(block_sizes, str):
+    return
+  accepted = BLOCK_SIZE_TYPES.get(impl, ())
+  if not isinstance(block_sizes, accepted):
+    takes = " or ".join(t.__name__ for t in accepted) or "no block sizes"
+    raise ValueError(f"block_sizes for impl={impl!r} must be {takes}; got {type(block_sizes).__name__} "
+                     "(None for the impl's defaults, or 'autotune')")
+
+
+def choose(impl: str, request: Request, platform: str) -> tuple[str, str, Request, str]:
+  """(impl name, reason, the request it runs, where its configuration came from).
+
+  `resolve`, plus the tuning cache (flash_layers/tuning): "auto" without block sizes, and any impl
+  with ``block_sizes="autotune"``, take the cached configuration for this device and shape bucket
+  when there is one. The source is "tuned (cache hit)", "shipped" or "default".
+  """
+  check_block_sizes(impl, request.block_sizes)
+  autotune = isinstance(request.block_sizes, str) and request.block_sizes == tuning_cache.AUTOTUNE
+  if autotune:
+    request = dataclasses.replace(request, block_sizes=None)
+  if autotune or (impl == AUTO and request.block_sizes is None):
+    tuned = tuning_cache.lookup(impl, request, platform)
+    if tuned is not None and _tuned_impl_allowed(impl, tuned.impl, request, platform):
+      resolve(tuned.impl, request, platform)  # an explicit impl still refuses what it cannot serve
+      reason = "measured fastest for this shape bucket on this device"
+      seconds, default = tuned.entry.get("seconds"), tuned.entry.get("default_seconds")
+      if seconds and default:
+        reason += f" ({1e3 * seconds:.1f} ms vs {1e3 * default:.1f} ms untuned, {tuned.entry.get('mode')})"
+      return tuned.impl, reason, dataclasses.replace(request, block_sizes=tuned.block_sizes), tuned.source
+  name, reason = resolve(impl, request, platform)
+  return name, reason, request, tuning_cache.SOURCE_DEFAULT
+
+
 def _by_platform(impl: str, request: Request, run, query, key, value):
-  """``run(name, q, k, v)`` with the impl `impl` resolves to. For "auto", whose choice may differ
-  by platform, the choice follows the platform the computation is lowered for, so that an AOT
-  compile for TPU from a CPU host runs the TPU choice."""
+  """``run(name, request, q, k, v)`` with the impl `impl` resolves to (and its tuned configuration,
+  `choose`). For "auto", whose choice may differ by platform, the choice follows the platform the
+  computation is lowered for, so that an AOT compile for TPU from a CPU host runs the TPU choice."""
   only = lowering.only_platform()
   here = only or lowering.default_platform()
+  name, reason, chosen, _ = choose(impl, request, here)
   if impl != AUTO:
-    resolve(impl, request, here)
-    return run(impl, query, key, value)
-  name, reason = resolve(AUTO, request, here)
+    return run(name, chosen, query, key, value)
   _log_auto_choice(request, here, name, reason)
   if only is not None:  # lowered for that platform alone (lowering.lowered_only_for): one branch
-    return run(name, query, key, value)
-  choices = {p: resolve(AUTO, request, p)[0] for p in _DISPATCH_PLATFORMS}
+    return run(name, chosen, query, key, value)
+  choices = {p: choose(AUTO, request, p)[::2] for p in _DISPATCH_PLATFORMS}
+  choices[here] = (name, chosen)
   if len(set(choices.values())) == 1:
-    return run(name, query, key, value)
-  branches = {p: (lambda q, k, v, n=n: run(n, q, k, v)) for p, n in choices.items()}
+    return run(name, chosen, query, key, value)
+  # One callable per (impl, request): platform_dependent traces a callable shared by platforms once.
+  runners = {c: (lambda q, k, v, c=c: run(*c, q, k, v)) for c in set(choices.values())}
+  branches = {p: runners[c] for p, c in choices.items()}
   return jax.lax.platform_dependent(query, key, value, default=branches["cpu"], **branches)
 
 
 def attend(query, key, value, *, impl: str, request: Request, args: Args):
   """Run an already-validated request; returns (out, lse). Used by `attention` and the ring."""
-  return _by_platform(impl, request, lambda n, q, k, v: _run(n, q, k, v, request, args),
+  return _by_platform(impl, request, lambda n, r, q, k, v: _run(n, q, k, v, r, args),
                       query, key, value)
 
 
@@ -366,5 +483,5 @@ def attend_backward(query, key, value, lse, delta, d_out, *, impl: str, request:
   """
   return _by_platform(
       impl, request,
-      lambda n, q, k, v: _run_backward(n, q, k, v, lse, delta, d_out, request, args),
+      lambda n, r, q, k, v: _run_backward(n, q, k, v, lse, delta, d_out, r, args),
       query, key, value)

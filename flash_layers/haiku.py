@@ -1,7 +1,8 @@
 """The Haiku twin of `fl.MultiHeadAttention` (optional extra: `pip install flash-layers[haiku]`).
 
-Same fields, same call, same parameter layout as the Flax layer: modules
-`query`, `key`, `value`, `out`, each with `kernel` (3-D, e.g. `[embed, heads,
+The Flax layer's fields except `mesh` (under `jax.set_mesh` the attention still shards over
+the current mesh), with Haiku initializers and a module `name`; the same call; the same parameter
+layout: modules `query`, `key`, `value`, `out`, each with `kernel` (3-D, e.g. `[embed, heads,
 head_dim]`) and `bias`, so `params_from_flax` is only a renaming of the tree.
 """
 
@@ -28,8 +29,8 @@ _PROJECTIONS = ("query", "key", "value", "out")
 class MultiHeadAttention(hk.Module):
   """Multi-head attention (MHA, GQA, MQA) whose attention is `fl.attention`.
 
-  Fields as in `flash_layers.MultiHeadAttention`, except that `kernel_init` and
-  `bias_init` are Haiku initializers `(shape, dtype) -> array`. Defaults match
+  Fields as in `flash_layers.MultiHeadAttention` but `mesh` (none: the current mesh applies),
+  except that `kernel_init` and `bias_init` are Haiku initializers `(shape, dtype) -> array`. Defaults match
   the Flax layer's: LeCun-normal kernels (fan-in is the input features, not the
   3-D kernel's leading dims) and zero biases. Dropout (dropout_rate > 0 and a call
   with deterministic=False) draws its key with `hk.next_rng_key()`, so it needs

@@ -396,6 +396,7 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
                          "needs a dropout_rng (flax modules pass one from the 'dropout' rng stream)")
       dropout_kwargs = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                             dropout_broadcast=bool(broadcast_dropout))
+    query, key, value = dispatch.as_qkv(query, key, value)
     if dtype is None:
       dtype = jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))

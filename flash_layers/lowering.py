@@ -4,7 +4,10 @@ Kernel families are chosen by the platform the computation is *lowered* for
 (`jax.lax.platform_dependent`), never by `jax.default_backend()`: an
 ahead-of-time compile for TPU or CUDA from a CPU host must get the real kernels.
 `interpret_as("tpu" | "gpu")` overrides that for testing: Pallas kernels of the
-named family run in interpret mode, whatever the machine.
+named family run in interpret mode, whatever the machine. `interpret_as("tpu",
+params=...)` also chooses the TPU interpreter's settings (`pltpu.InterpretParams`:
+simulated cores, random parallel order, eager DMAs, the race detector); see
+`flash_layers.testing.strict` for the strict preset the test tier uses.
 
 Tracing every platform's branch has a price: "auto" attention traces the TPU and GPU kernels
 too, which on a CPU was most of an encoder's trace time (per compiled program, in every
@@ -17,31 +20,46 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import jax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 
 INTERPRET_PLATFORMS = ("tpu", "gpu")
 LOWERING_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
 
 _interpret: contextvars.ContextVar[str | None] = contextvars.ContextVar(
     "flash_layers_interpret", default=None)
+_params: contextvars.ContextVar[Any] = contextvars.ContextVar(
+    "flash_layers_interpret_params", default=None)
 
 
 @contextlib.contextmanager
-def interpret_as(platform: str) -> Iterator[None]:
+def interpret_as(platform: str, params: Any = None) -> Iterator[None]:
   """Run flash_pallas's `platform` kernels ("tpu" or "gpu") in Pallas interpret mode.
 
-  The choice is read when a function is traced; a function already jitted keeps
-  the kernels it was traced with.
+  params: for "tpu" only, a `jax.experimental.pallas.tpu.InterpretParams` the TPU
+  kernels are interpreted with (None: its defaults). The choice is read when a
+  function is traced; a function already jitted keeps the kernels it was traced with.
   """
   if platform not in INTERPRET_PLATFORMS:
     raise ValueError(f"interpret_as platform must be one of {INTERPRET_PLATFORMS}; got {platform!r}")
-  token = _interpret.set(platform)
+  if params is not None:
+    if platform != "tpu":
+      raise ValueError(f"interpret_as params apply to platform 'tpu' only; got platform {platform!r}")
+    from jax.experimental.pallas import tpu as pltpu  # the TPU interpreter's settings type
+    if not isinstance(params, pltpu.InterpretParams):
+      raise ValueError("interpret_as params must be a jax.experimental.pallas.tpu.InterpretParams "
+                       f"or None; got {type(params).__name__}")
+  token, params_token = _interpret.set(platform), _params.set(params)
   try:
     yield
   finally:
+    _params.reset(params_token)
     _interpret.reset(token)
 
 
@@ -82,6 +100,11 @@ def interpreting() -> str | None:
   return _interpret.get()
 
 
+def interpret_params() -> Any:
+  """The `InterpretParams` given to the enclosing `interpret_as("tpu", params=...)`, or None."""
+  return _params.get()
+
+
 def default_platform() -> str:
   """The platform of the default backend, in lowering names ("cpu", "tpu", "cuda", "rocm")."""
   backend = jax.default_backend()
@@ -107,3 +130,58 @@ def manual_device_count() -> int:
     manual = [n for n, t in zip(mesh.axis_names, types, strict=False) if "manual" in str(t).lower()]
   shape = dict(mesh.shape)
   return math.prod(int(shape[a]) for a in manual)
+
+
+# ----------------------------------------------------------------------------
+# An error raised when a branch is lowered
+# ----------------------------------------------------------------------------
+# `jax.lax.platform_dependent` traces every branch but lowers only the one of the platform being
+# compiled for. A branch that cannot serve a call (flash_pallas's TPU kernels given the GPU
+# family's block sizes) returns `fails_when_lowered(...)`: values of the right shapes that raise
+# the ValueError when, and only when, that branch is lowered, i.e. when it would run.
+
+_unlowerable_p = jex_core.Primitive("flash_layers_fails_when_lowered")
+_unlowerable_p.multiple_results = True
+
+
+def _unlowerable_abstract(*, message: str, shapes: tuple) -> list:
+  return [jax.core.ShapedArray(shape, dtype) for shape, dtype in shapes]
+
+
+def _unlowerable_raise(*_, message: str, **__):
+  raise ValueError(message)
+
+
+_unlowerable_p.def_abstract_eval(_unlowerable_abstract)
+_unlowerable_p.def_impl(_unlowerable_raise)
+mlir.register_lowering(_unlowerable_p, _unlowerable_raise)
+
+
+def _bind(message: str, shapes) -> list:
+  return _unlowerable_p.bind(message=message,
+                             shapes=tuple((tuple(x.shape), jax.numpy.dtype(x.dtype)) for x in shapes))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _fails(message, shapes, operands):
+  return _bind(message, shapes)
+
+
+def _fails_fwd(message, shapes, operands):
+  return _bind(message, shapes), operands
+
+
+def _fails_bwd(message, shapes, operands, cotangents):
+  # The gradient fails the same way: a branch differentiated with its output unused (a loss
+  # linear in it) must not lower to zeros.
+  return (tuple(_bind(message, operands)),)
+
+
+_fails.defvjp(_fails_fwd, _fails_bwd)
+
+
+def fails_when_lowered(message: str, shapes, *operands: jax.Array) -> list[jax.Array]:
+  """Arrays of `shapes` (`jax.ShapeDtypeStruct`s) whose lowering (or eager evaluation) raises
+  ValueError(message), and so does that of their gradient with respect to `operands`."""
+  shapes = tuple(jax.ShapeDtypeStruct(tuple(x.shape), x.dtype) for x in shapes)
+  return _fails(message, shapes, tuple(operands))

@@ -314,9 +314,11 @@ def block_stats(batch: int, num_heads: int, q_len: int, kv_len: int, block_q: in
                 kv_offset=0) -> tuple[int, int] | None:
   """(blocks visited, blocks total) summed over batch and heads, for `explain()`.
 
-  None when segment ids or offsets are traced (the count is then not known before running).
+  None when segment ids or offsets are traced or abstract (`jax.ShapeDtypeStruct`: the count is
+  then not known before running).
   """
-  if any(isinstance(x, jax.core.Tracer) for x in (q_segment_ids, kv_segment_ids, q_offset, kv_offset)):
+  unknown = (jax.core.Tracer, jax.ShapeDtypeStruct)
+  if any(isinstance(x, unknown) for x in (q_segment_ids, kv_segment_ids, q_offset, kv_offset)):
     return None
   bm = block_map(q_len, kv_len, block_q, block_kv, spec, q_segment_ids, kv_segment_ids,
                  q_offset, kv_offset)

@@ -19,3 +19,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 _CACHE = tempfile.mkdtemp(prefix="flash_layers-test-cache-")
 os.environ["FLASH_LAYERS_CACHE"] = _CACHE
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+
+# The autotuner's cache (flash_layers/tuning): a directory of this test process's own, never the
+# user's ~/.cache, and no shipped tables, so "auto" follows its fixed rule in every other test.
+_TUNING_DIR = tempfile.mkdtemp(prefix="fl-tuning-")
+atexit.register(shutil.rmtree, _TUNING_DIR, True)
+os.environ["FLASH_LAYERS_TUNING_DIR"] = _TUNING_DIR
+os.environ["FLASH_LAYERS_TUNING_SHIPPED"] = "0"

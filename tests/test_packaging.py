@@ -19,4 +19,5 @@ def test_wheel_holds_the_library_only(tmp_path):
   assert top_level == {"flash_layers"}, top_level
   assert "flash_layers/testing/reference64.py" in names
   assert "flash_layers/impls/flash_pallas/tpu.py" in names
+  assert "flash_layers/tuning/data/cpu_amd_epyc_2.json" in names  # the shipped tuning table
   assert not any("bench" in name for name in names), [n for n in names if "bench" in n]

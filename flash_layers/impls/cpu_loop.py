@@ -46,11 +46,18 @@ from flash_layers.impls.base import Args, Request
 CACHE_BYTES = 1 << 20
 
 
-def worth_looping(q, k, tile_q: int, tile_kv: int) -> bool:
+def loop_bytes(request: Request) -> int:
+  """The loop threshold of a call: its `CpuBlockSizes.loop_bytes` (tuned, flash_layers/tuning), else
+  `CACHE_BYTES`."""
+  tuned = getattr(request.block_sizes, "loop_bytes", None)
+  return CACHE_BYTES if tuned is None else tuned
+
+
+def worth_looping(q, k, tile_q: int, tile_kv: int, cache_bytes: int = CACHE_BYTES) -> bool:
   """Whether a call's float32 logits tile over every row and head, [b, h, tile_q, tile_kv], exceeds
-  `CACHE_BYTES` (and there is more than one row or kv head to loop over)."""
+  `cache_bytes` (and there is more than one row or kv head to loop over)."""
   b, h, kvh = q.shape[0], q.shape[2], k.shape[2]
-  return b * kvh > 1 and 4 * b * h * tile_q * tile_kv > CACHE_BYTES
+  return b * kvh > 1 and 4 * b * h * tile_q * tile_kv > cache_bytes
 
 
 def looped_on_cpu(fn: Callable, q, k, v, *, request: Request, args: Args, tile: tuple[int, int],
@@ -64,7 +71,7 @@ def looped_on_cpu(fn: Callable, q, k, v, *, request: Request, args: Args, tile: 
     n = len(q_like)
     return per_row_and_head(fn, q, k, v, request=request, args=args, q_like=rest[:n], stats=rest[n:])
 
-  if not worth_looping(q, k, *tile):
+  if not worth_looping(q, k, *tile, loop_bytes(request)):
     return direct(q, k, v, *q_like, *stats)
   return jax.lax.platform_dependent(q, k, v, *q_like, *stats, cpu=looped, default=direct)
 

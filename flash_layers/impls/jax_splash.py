@@ -148,8 +148,12 @@ def splash_block_sizes(request: Request):
   if isinstance(sizes, BlockSizes):
     fwd_q, fwd_kv = sizes.block_q, sizes.block_kv
     bwd_q, bwd_kv = sizes.backward
-  else:  # None, or flash_layers.GpuBlockSizes meant for another platform
+  elif sizes is None:
     fwd_q = fwd_kv = bwd_q = bwd_kv = DEFAULT_BLOCK
+  else:  # splash has TPU kernels only: GPU tiles (or anything else) cannot be meant for it
+    raise ValueError("block_sizes for impl='jax_splash' (TPU kernels only) must be "
+                     "flash_layers.BlockSizes, splash's own BlockSizes or None; got "
+                     f"{type(sizes).__name__} {sizes!r}")
   q_cap, kv_cap = round_up(request.q_len, LANES), round_up(request.kv_len, LANES)
   fwd_q, bwd_q = min(fwd_q, q_cap), min(bwd_q, q_cap)
   fwd_kv, bwd_kv = min(fwd_kv, kv_cap), min(bwd_kv, kv_cap)

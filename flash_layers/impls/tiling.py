@@ -2,8 +2,9 @@
 
 `BlockSizes` (TPU: multiples of the 128 lanes) and `GpuBlockSizes` (GPU: powers of
 two >= 16, plus Triton launch parameters) are user-facing: pass either as
-`fl.attention(..., block_sizes=...)`. A family given the other family's sizes
-keeps its own defaults, so one call site can serve both platforms.
+`fl.attention(..., block_sizes=...)`. The family is the one of the platform the call
+is lowered for; the other family's sizes raise a ValueError then
+(`flash_pallas.wrong_block_sizes`).
 """
 
 from __future__ import annotations
@@ -100,3 +101,31 @@ class GpuBlockSizes:
       value = getattr(self, field)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"GpuBlockSizes.{field} must be an int >= 1; got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class CpuBlockSizes:
+  """What the CPU layouts tune (None: the impl's default, the value the autotuner starts from).
+
+  block_q / block_kv: xla_chunked's chunk lengths (clamped to the sequence, `xla_chunked.chunk_size`).
+  loop_bytes: the per-row/per-head loop threshold (`impls/cpu_loop.py`): a call whose float32
+    logits tile over every row and head exceeds this many bytes runs one batch row and kv head at
+    a time. 0 always loops; a huge value never does.
+  Only xla_chunked and xla_dense take them: any other explicitly chosen impl raises
+  (`dispatch.check_block_sizes`); "auto" hands them to the impl it picks.
+  """
+
+  block_q: int | None = None
+  block_kv: int | None = None
+  loop_bytes: int | None = None
+
+  def __post_init__(self):
+    for name in ("block_q", "block_kv", "loop_bytes"):
+      value = getattr(self, name)
+      if value is None:
+        continue
+      if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"CpuBlockSizes.{name} must be an int or None; got {value!r}")
+      if value < (0 if name == "loop_bytes" else 8) or (name != "loop_bytes" and value % 8):
+        allowed = "an int >= 0" if name == "loop_bytes" else "a positive multiple of 8"
+        raise ValueError(f"CpuBlockSizes.{name} must be {allowed}; got {value}")

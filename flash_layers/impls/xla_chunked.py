@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from flash_layers import dropout, masks
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.tiling import pad_to
+from flash_layers.impls.tiling import CpuBlockSizes, pad_to
 
 # Default chunk sizes: big enough that the chunk matmuls are efficient, small
 # enough that a [bq, bk] float32 tile per head is ~1 MiB.
@@ -335,7 +335,11 @@ class XlaChunked:
     return "xla"
 
   def chunk_shape(self, request: Request) -> tuple[int, int]:
-    return chunk_size(request.q_len, self.block_q), chunk_size(request.kv_len, self.block_kv)
+    """(q, kv) chunk lengths: the request's `CpuBlockSizes` (tuned, flash_layers/tuning) where set,
+    else this impl's defaults."""
+    sizes = request.block_sizes if isinstance(request.block_sizes, CpuBlockSizes) else CpuBlockSizes()
+    return (chunk_size(request.q_len, sizes.block_q or self.block_q),
+            chunk_size(request.kv_len, sizes.block_kv or self.block_kv))
 
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(chunk pairs visited, total) over batch and heads; None when segment ids are traced."""

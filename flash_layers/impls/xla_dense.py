@@ -231,7 +231,7 @@ class XlaDense:
     return "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    if not cpu_loop.worth_looping(q, k, q.shape[1], k.shape[1]):
+    if not cpu_loop.worth_looping(q, k, q.shape[1], k.shape[1], cpu_loop.loop_bytes(request)):
       return self._attend(q, k, v, request=request, args=args)
     return jax.lax.platform_dependent(
         q, k, v, cpu=lambda q, k, v: self._attend(q, k, v, request=request, args=args, looped=True),

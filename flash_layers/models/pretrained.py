@@ -103,12 +103,6 @@ def _convert(path: tuple[str, ...], name: str, value: np.ndarray, target_shape: 
   return value.reshape(target_shape)
 
 
-def _get(tree, path):
-  for key in path:
-    tree = tree[key]
-  return tree
-
-
 def _set(tree, path, value):
   for key in path[:-1]:
     tree = tree[key]

@@ -76,8 +76,8 @@ def resolve_sizes(sizes: Mapping[str, int], total: int, *, field: str = "{}",
   return {k: int(v) for k, v in sizes.items()}
 
 
-def resolve_mesh(per_slice: Mapping[str, int], dcn: Mapping[str, int], num_devices: int, num_slices: int,
-                 *, field: str = "{}") -> dict[str, int]:
+def resolve_mesh_sizes(per_slice: Mapping[str, int], dcn: Mapping[str, int], num_devices: int,
+                       num_slices: int, *, field: str = "{}") -> dict[str, int]:
   """Per-slice axis sizes (data, fsdp, tensor, sequence) and DCN sizes (dcn_data, dcn_fsdp), -1s resolved.
 
   The slices must split the devices evenly; the DCN sizes multiply to the slice
@@ -159,9 +159,9 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = 1, sequence: int = 1,
   slices = _slices(devices, num_slices)
   if any(len(s) != len(slices[0]) for s in slices):
     raise ValueError(f"make_mesh: slices of unequal sizes {[len(s) for s in slices]}")
-  sizes = resolve_mesh({"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence},
-                       {"dcn_data": dcn_data, "dcn_fsdp": dcn_fsdp}, len(devices), len(slices),
-                       field="make_mesh {}")
+  sizes = resolve_mesh_sizes({"data": data, "fsdp": fsdp, "tensor": tensor, "sequence": sequence},
+                             {"dcn_data": dcn_data, "dcn_fsdp": dcn_fsdp}, len(devices), len(slices),
+                             field="make_mesh {}")
   shape = tuple(sizes[a] for a in AXES)
   if len(slices) == 1:
     grid = _slice_grid(devices, shape)

@@ -33,9 +33,6 @@ from flash_layers.errors import UserError
 
 log = logging.getLogger("flash_layers.training")
 
-ITEMS = ("state", "data", "config")
-
-
 class NoCheckpointError(UserError, FileNotFoundError):
   """The workdir, or the checkpoint asked for, is not there."""
 

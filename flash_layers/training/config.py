@@ -16,7 +16,7 @@ from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.errors import UserError
 from flash_layers.impls import IMPLS
-from flash_layers.parallel.mesh import AXES, resolve_mesh, slice_count
+from flash_layers.parallel.mesh import AXES, resolve_mesh_sizes, slice_count
 from flash_layers.training import compile_cache
 
 
@@ -31,7 +31,7 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.model = m = ml_collections.ConfigDict()
   # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
-  # ("reference", "xla_native", "xla_chunked", "xla_dense", "flash_pallas").
+  # ("flash_pallas", "xla_native", "xla_chunked", "xla_dense", "reference", "jax_splash").
   m.impl = "auto"
   # Tokens per row. Beyond the checkpoint's position table (512 for BERT) the
   # learned positions are extended (see position_extension), up to
@@ -284,7 +284,6 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _fail("data.eval_packing", f"must be True or False; got {d.eval_packing!r}")
   _choice(d.eval_split, "data.eval_split", ("dev", "test"))
   _positive_int(config, "data.window_stride", allow_zero=True)
-  _positive_int(config, "data.max_docs_per_row")
   _positive_int(config, "data.num_workers", allow_zero=True)
   _optional_positive_int(config, "data.eval_batch_size")
   if not 0.0 < d.dev_fraction < 1.0:
@@ -340,8 +339,9 @@ def mesh_shape(config: ml_collections.ConfigDict, num_devices: int, num_slices: 
   """
   ms = config.mesh
   try:
-    return resolve_mesh({axis: ms[axis] for axis in AXES}, {"dcn_data": ms.dcn_data, "dcn_fsdp": ms.dcn_fsdp},
-                        num_devices, num_slices, field="config.mesh.{}")
+    return resolve_mesh_sizes({axis: ms[axis] for axis in AXES},
+                              {"dcn_data": ms.dcn_data, "dcn_fsdp": ms.dcn_fsdp},
+                              num_devices, num_slices, field="config.mesh.{}")
   except ValueError as e:  # the shared resolver names the field; here it is the user's config
     raise ConfigError(str(e)) from None
 

@@ -25,6 +25,7 @@ import jax
 from flash_layers import lowering, masks
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
 _FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
                    "gpu": "flash_layers.impls.flash_pallas.gpu"}
@@ -83,6 +84,34 @@ def family_for(platform: str) -> tuple[str, bool]:
   return "tpu", True
 
 
+# The tile class of each kernel family, as `fl.attention(block_sizes=...)` takes it.
+_SIZES_OF_FAMILY = {"tpu": BlockSizes, "gpu": GpuBlockSizes}
+_FAMILY_NAMES = {"tpu": "TPU (Mosaic)", "gpu": "GPU (Triton)"}
+
+
+def wrong_block_sizes(request: Request, family: str, where: str) -> str | None:
+  """Why `request.block_sizes` cannot tile `family`'s kernels, or None when it can (None, or that
+  family's class; other types are the family's own TypeError). `where` says how the family was
+  chosen, for the message."""
+  sizes = request.block_sizes
+  given = next((f for f, cls in _SIZES_OF_FAMILY.items() if isinstance(sizes, cls)), None)
+  if given is None or given == family:
+    return None
+  return (f"block_sizes is flash_layers.{type(sizes).__name__}, the tiles of flash_pallas's "
+          f"{_FAMILY_NAMES[given]} kernel family, but {where} runs its {_FAMILY_NAMES[family]} "
+          f"family, which takes flash_layers.{_SIZES_OF_FAMILY[family].__name__}; pass those "
+          f"(or None for its defaults); got {sizes!r}")
+
+
+def _where(platform: str | None) -> str:
+  forced = lowering.interpreting()
+  if forced is not None:
+    return f"fl.interpret_as({forced!r})"
+  if platform in ("tpu", "cuda", "rocm"):
+    return f"a call lowered for {platform}"
+  return f"a call lowered for {platform or 'the CPU'} (the TPU kernels, interpreted)"
+
+
 class FlashPallas:
   name = "flash_pallas"
   capabilities = frozenset({"attention_backward", "block_stats", "grid_steps", "traced_offsets"})
@@ -102,6 +131,9 @@ class FlashPallas:
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(blocks visited, blocks total) over batch and heads; None when segment ids are traced."""
     family, _ = family_for(platform)
+    message = wrong_block_sizes(request, family, _where(platform))
+    if message is not None:  # explain() says now what the call would raise
+      raise ValueError(message)
     block_q, block_kv = _family(family).block_shape(request, platform)
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
@@ -114,26 +146,39 @@ class FlashPallas:
     return _family(family).grid_steps(request, args)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    forced = lowering.interpreting()
-
-    def run(family: str, interpret: bool):
-      return lambda q, k, v: _family(family).flash_attention(
-          q, k, v, request=request, args=args, interpret=interpret)
-
-    if forced is not None:
-      return run(forced, True)(q, k, v)
-    return jax.lax.platform_dependent(q, k, v, tpu=run("tpu", False), cuda=run("gpu", False),
-                                      rocm=run("gpu", False), default=run("tpu", True))
+    b, t, h, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
+    shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, t), "float32"))
+    return _by_family(request, q, k, v, shapes, lambda family, interpret: (
+        lambda q, k, v: _family(family).flash_attention(q, k, v, request=request, args=args,
+                                                        interpret=interpret)))
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     """(dq, dk, dv) from given row statistics: the family's backward kernels, no forward."""
-    forced = lowering.interpreting()
+    return _by_family(request, q, k, v, (q, k, v), lambda family, interpret: (
+        lambda q, k, v: _family(family).attention_backward(
+            q, k, v, lse, delta, d_out, request=request, args=args, interpret=interpret)))
 
-    def run(family: str, interpret: bool):
-      return lambda q, k, v: _family(family).attention_backward(
-          q, k, v, lse, delta, d_out, request=request, args=args, interpret=interpret)
 
-    if forced is not None:
-      return run(forced, True)(q, k, v)
-    return jax.lax.platform_dependent(q, k, v, tpu=run("tpu", False), cuda=run("gpu", False),
-                                      rocm=run("gpu", False), default=run("tpu", True))
+def _by_family(request: Request, q, k, v, shapes, run):
+  """``run(family, interpret)(q, k, v)`` with the family of the platform the call is lowered for
+  (or the one `interpret_as` forces). A branch whose family the request's block_sizes do not fit
+  raises ValueError when lowered; the branches of other platforms are never lowered, so an AOT
+  compile for CUDA from a CPU host takes GPU sizes."""
+  forced = lowering.interpreting()
+  if forced is not None:
+    message = wrong_block_sizes(request, forced, _where(None))
+    if message is not None:
+      raise ValueError(message)
+    return run(forced, True)(q, k, v)
+
+  runners = {}  # one callable per family: platform_dependent traces a shared one once (cuda, rocm)
+
+  def branch(family: str, interpret: bool, platform: str | None):
+    message = wrong_block_sizes(request, family, _where(platform))
+    if message is None:
+      return runners.setdefault((family, interpret), run(family, interpret))
+    return lambda q, k, v: tuple(lowering.fails_when_lowered(message, shapes, q, k, v))
+
+  return jax.lax.platform_dependent(q, k, v, tpu=branch("tpu", False, "tpu"),
+                                    cuda=branch("gpu", False, "cuda"), rocm=branch("gpu", False, "rocm"),
+                                    default=branch("tpu", True, None))

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from flash_layers.impls.base import Request
-from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, GpuBlockSizes
+from flash_layers.impls.tiling import MIN_GPU_TILE, BlockSizes, CpuBlockSizes, GpuBlockSizes
 
 KiB = 1024
 
@@ -153,7 +153,7 @@ def override(base: GpuBlockSizes, block_sizes: Any) -> GpuBlockSizes:
   `GpuBlockSizes` replaces the table entry, the TPU family's `BlockSizes` is not
   for us.
   """
-  if block_sizes is None or isinstance(block_sizes, BlockSizes):
+  if block_sizes is None or isinstance(block_sizes, (BlockSizes, CpuBlockSizes)):
     return base
   if isinstance(block_sizes, GpuBlockSizes):
     return block_sizes

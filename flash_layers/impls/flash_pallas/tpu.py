@@ -224,7 +224,8 @@ def _interpret_arg(interpret: bool):
   """What to pass as pallas_call(interpret=...).
 
   Under `fl.interpret_as("tpu")`: the TPU-semantics interpreter (`pltpu.InterpretParams`:
-  uninitialized memory reads as NaN, out-of-bounds reads raise). Otherwise an interpreted kernel
+  uninitialized memory reads as NaN, out-of-bounds reads raise), with the settings given to
+  `interpret_as(..., params=)` when there are some (the strict test tier). Otherwise an interpreted kernel
   is the CPU branch of the dispatcher's `platform_dependent`, next to the compiled TPU branch;
   InterpretParams' io callbacks carry an ordered effect that the TPU branch lacks, and JAX then
   fails to lower the TPU branch alone. The plain interpreter (`True`) has no effects.
@@ -239,7 +240,7 @@ def _interpret_arg(interpret: bool):
   params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
   if params is None or lowering.interpreting() != "tpu" or lowering.manual_device_count() > 1:
     return True
-  return params()
+  return lowering.interpret_params() or params()
 
 
 def _compiler_params(semantics: tuple[str, ...], vmem_bytes: int | None = None):

@@ -36,7 +36,7 @@ import itertools
 import jax
 
 from flash_layers.impls.base import Request
-from flash_layers.impls.tiling import LANES, BlockSizes, GpuBlockSizes, round_up
+from flash_layers.impls.tiling import LANES, BlockSizes, CpuBlockSizes, GpuBlockSizes, round_up
 
 MiB = 1 << 20
 
@@ -123,7 +123,7 @@ def blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
   sizes = request.block_sizes
   # platform_dependent traces every kernel family with the same request: sizes meant for the
   # GPU family (flash_layers.GpuBlockSizes) leave the TPU family on its defaults.
-  if sizes is None or isinstance(sizes, GpuBlockSizes):
+  if sizes is None or isinstance(sizes, (GpuBlockSizes, CpuBlockSizes)):
     sizes = default_block_sizes(tpu_generation())
   elif not isinstance(sizes, BlockSizes):
     raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), flash_layers.GpuBlockSizes "
