@@ -292,6 +292,9 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   if isinstance(block_sizes, str) and block_sizes != tuning_cache.AUTOTUNE:
     raise ValueError(f"block_sizes must be a block-size object, None or {tuning_cache.AUTOTUNE!r}; "
                      f"got {block_sizes!r}")
+  if not (block_sizes is None or isinstance(block_sizes, (str, *tiling.BLOCK_SIZE_CLASSES))):
+    raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), GpuBlockSizes or CpuBlockSizes, "
+                    f"None or {tuning_cache.AUTOTUNE!r}; got {type(block_sizes).__name__}")
   request = Request(
       batch=b, q_len=t, kv_len=s, num_heads=h, num_kv_heads=kvh, head_dim=d, head_dim_v=dv,
       dtype=jnp.dtype(query.dtype).name, spec=spec, has_segment_ids=q_seg is not None,

@@ -129,3 +129,7 @@ class CpuBlockSizes:
       if value < (0 if name == "loop_bytes" else 8) or (name != "loop_bytes" and value % 8):
         allowed = "an int >= 0" if name == "loop_bytes" else "a positive multiple of 8"
         raise ValueError(f"CpuBlockSizes.{name} must be {allowed}; got {value}")
+
+
+# Every block-size class; `dispatch.prepare` rejects anything else by type.
+BLOCK_SIZE_CLASSES: tuple[type, ...] = (BlockSizes, GpuBlockSizes, CpuBlockSizes)
