@@ -10,6 +10,7 @@ this module; it imports none of them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import jax
@@ -380,9 +381,34 @@ _DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")
 
 
 def _run(name: str, query, key, value, request: Request, args: Args):
+  """``REGISTRY[name].attend`` as one jitted function of (q, k, v, the array arguments).
+
+  A model calls attention once per layer with the same shapes and options: under the jit, the
+  impl is traced (and lowered) once per program, not once per layer. The static key holds
+  everything the trace reads besides the arrays: the impl, the request, the non-array arguments
+  (static offsets), and the platform `lowering.lowered_only_for` names. Under `interpret_as`
+  (tests) the impl runs inline: its interpreter parameters are not part of any key.
+  """
+  if lowering.interpreting() is not None:
+    return _run_inline(name, query, key, value, request, args)
+  fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
+  arrays = {f: x for f, x in fields.items() if isinstance(x, (jax.Array, np.ndarray))}
+  static = tuple((f, x) for f, x in fields.items() if f not in arrays)
+  return _run_jit(query, key, value, arrays, name=name, request=request, static=static,
+                  only=lowering.only_platform())
+
+
+def _run_inline(name: str, query, key, value, request: Request, args: Args):
   # The scope names the impl in HLO metadata, so profiler traces show "flash_layers.<impl>".
   with jax.named_scope(f"flash_layers.{name}"):
     return REGISTRY[name].attend(query, key, value, request=request, args=args)
+
+
+@functools.partial(jax.jit, static_argnames=("name", "request", "static", "only"))
+def _run_jit(query, key, value, arrays, *, name: str, request: Request, static: tuple, only):
+  del only  # part of the key: read by the impls through `lowering.only_platform()`
+  args = Args(**dict(static), **arrays)
+  return _run_inline(name, query, key, value, request, args)
 
 
 def _tuned_impl_allowed(impl: str, tuned: str, request: Request, platform: str) -> bool:

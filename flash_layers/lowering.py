@@ -22,7 +22,7 @@ import contextlib
 import contextvars
 import functools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -86,6 +86,23 @@ def lowered_only_for(platform: str | None) -> Iterator[None]:
 def only_platform() -> str | None:
   """The platform declared by `lowered_only_for`, or None (any)."""
   return _only.get()
+
+
+def platform_dependent(*operands, default: Callable | None = None, **branches: Callable):
+  """`jax.lax.platform_dependent`, tracing one branch when `lowered_only_for` names the platform.
+
+  Outside `lowered_only_for`, every branch is traced and the lowering keeps its platform's one.
+  Inside, only that platform's branch (or `default`) is traced: the other branches would never
+  be lowered, and tracing them costs as much as tracing the one kept (a model's attention runs
+  once per layer, so this is most of an eval step's tracing on a CPU).
+  """
+  only = _only.get()
+  branch = branches.get(only, default) if only is not None else None
+  if branch is not None:
+    return branch(*operands)
+  if default is None:
+    return jax.lax.platform_dependent(*operands, **branches)
+  return jax.lax.platform_dependent(*operands, default=default, **branches)
 
 
 def platform_of(device) -> str:

@@ -38,6 +38,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
+from flash_layers import lowering
 from flash_layers.impls.base import Args, Request
 
 # The loop keeps a step's logits in cache; when the whole call's (one tile of them, for a chunked
@@ -73,7 +74,7 @@ def looped_on_cpu(fn: Callable, q, k, v, *, request: Request, args: Args, tile: 
 
   if not worth_looping(q, k, *tile, loop_bytes(request)):
     return direct(q, k, v, *q_like, *stats)
-  return jax.lax.platform_dependent(q, k, v, *q_like, *stats, cpu=looped, default=direct)
+  return lowering.platform_dependent(q, k, v, *q_like, *stats, cpu=looped, default=direct)
 
 
 def _split_heads(x, kvh: int):

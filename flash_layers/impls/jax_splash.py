@@ -360,4 +360,4 @@ class JaxSplash:
       return run(True)(q, k, v)
     # The lowering platform decides: Mosaic on a TPU, the interpreter on a CPU. There is no
     # GPU branch: lowering for a GPU fails there (and `unsupported` refuses a GPU host).
-    return jax.lax.platform_dependent(q, k, v, tpu=run(False), cpu=run(True))
+    return lowering.platform_dependent(q, k, v, tpu=run(False), cpu=run(True))

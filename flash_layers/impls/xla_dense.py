@@ -43,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks
+from flash_layers import dropout, lowering, masks
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
@@ -233,7 +233,7 @@ class XlaDense:
   def attend(self, q, k, v, *, request: Request, args: Args):
     if not cpu_loop.worth_looping(q, k, q.shape[1], k.shape[1], cpu_loop.loop_bytes(request)):
       return self._attend(q, k, v, request=request, args=args)
-    return jax.lax.platform_dependent(
+    return lowering.platform_dependent(
         q, k, v, cpu=lambda q, k, v: self._attend(q, k, v, request=request, args=args, looped=True),
         default=lambda q, k, v: self._attend(q, k, v, request=request, args=args))
 

@@ -179,6 +179,6 @@ def _by_family(request: Request, q, k, v, shapes, run):
       return runners.setdefault((family, interpret), run(family, interpret))
     return lambda q, k, v: tuple(lowering.fails_when_lowered(message, shapes, q, k, v))
 
-  return jax.lax.platform_dependent(q, k, v, tpu=branch("tpu", False, "tpu"),
-                                    cuda=branch("gpu", False, "cuda"), rocm=branch("gpu", False, "rocm"),
-                                    default=branch("tpu", True, None))
+  return lowering.platform_dependent(q, k, v, tpu=branch("tpu", False, "tpu"),
+                                   cuda=branch("gpu", False, "cuda"), rocm=branch("gpu", False, "rocm"),
+                                   default=branch("tpu", True, None))
