@@ -2,6 +2,8 @@
 
 Both validate through `dispatch.prepare`, then either run on one device
 (`dispatch.attend`) or, with a mesh, split the call with `parallel.sharded`.
+`attention`'s path is `run`, which `layers.attention_fn` shares (it adds flax's
+dense mask), so flax's own attention modules shard exactly as `attention` does.
 """
 
 from __future__ import annotations
@@ -87,17 +89,27 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     [batch, q_len, num_heads, head_dim_v] in the query's dtype. A query that sees
     no key gets zeros (and zero gradients).
   """
+  return run(query, key, value, impl=impl, mesh=mesh, causal=causal, segment_ids=segment_ids,
+             kv_segment_ids=kv_segment_ids, window=window, scale=scale, softcap=softcap,
+             block_sizes=block_sizes, global_tokens=global_tokens, dropout_rate=dropout_rate,
+             dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes,
+             bias=bias, precision=precision)
+
+
+def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO, mesh: Any = None,
+        **options: Any) -> jax.Array:
+  """The one path of `attention` and `layers.attention_fn`: validate, then attend here or on the mesh.
+
+  `options` are `dispatch.prepare`'s keywords: `attention`'s, plus `dense_mask` (flax's boolean
+  mask, which only `attention_fn` passes). With a mesh (given or current) the call is split by
+  `parallel.sharded`; `block_sizes="autotune"` tunes what each device runs.
+  """
   dispatch.check_impl(impl)
   query, key, value = dispatch.as_qkv(query, key, value)
-  request, args = prepare(query, key, value, causal=causal, segment_ids=segment_ids,
-                          kv_segment_ids=kv_segment_ids, window=window, scale=scale,
-                          softcap=softcap, block_sizes=block_sizes, global_tokens=global_tokens,
-                          dropout_rate=dropout_rate, dropout_rng=dropout_rng,
-                          dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes, bias=bias,
-                          precision=precision)
+  request, args = prepare(query, key, value, **options)
   mesh = sharded.resolve_mesh(mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
-  if block_sizes == AUTOTUNE:  # tune what each device runs, unless the cache has it
+  if options.get("block_sizes") == AUTOTUNE:  # tune what each device runs, unless the cache has it
     tuner.ensure_tuned(impl, request if plan is None else plan.local)
   if plan is not None:
     out, _ = sharded.sharded_attend(query, key, value, impl=impl, request=request, args=args, plan=plan)

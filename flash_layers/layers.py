@@ -317,7 +317,7 @@ class MultiHeadAttention(nn.Module):
 # attention_fn: flash_layers inside flax's own attention modules
 # ----------------------------------------------------------------------------
 
-_FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes")
+_FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes", "mesh")
 # Keywords flax passes that change nothing here: our softmax is always float32 and
 # dtype promotion is done below.
 _HARMLESS_EXTRA = ("promote_dtype", "force_fp32_for_softmax")
@@ -352,7 +352,14 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
   Args:
     impl: one of `fl.IMPLS` or "auto".
     **fixed_kwargs: `fl.attention` options applied to every call: causal, window,
-      scale, softcap, block_sizes.
+      scale, softcap, block_sizes, mesh.
+
+  Each call runs `fl.attention`'s own path (`api.run`), mesh included: with `mesh=`
+  fixed here or a current mesh (`jax.set_mesh`), the call runs inside `shard_map`,
+  batch over data x fsdp, heads over tensor, ring attention over sequence, so a
+  sharded flax model runs the Pallas kernels too (GSPMD cannot partition them).
+  A dense mask or bias is split with the batch and heads; a sequence axis > 1
+  refuses them (UnsupportedError: they would travel around the ring with K/V).
 
   What the modules pass is honoured:
   * `mask` (dense boolean, [batch..., heads|1, q_len, kv_len], True = attend) and
@@ -406,10 +413,8 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
       mask = _flatten_logits_operand(mask, batch_shape)
     if bias is not None:
       bias = _flatten_logits_operand(bias, batch_shape)
-    request, args = dispatch.prepare(q, k, v, **{**fixed_kwargs, "causal": causal}, dense_mask=mask,
-                                     bias=bias, precision=precision,
-                                     **dropout_kwargs)
-    out, _ = dispatch.attend(q, k, v, impl=impl, request=request, args=args)
+    out = api.run(q, k, v, impl=impl, **{**fixed_kwargs, "causal": causal}, dense_mask=mask, bias=bias,
+                  precision=precision, **dropout_kwargs)
     return out.reshape(batch_shape + out.shape[1:])
 
   return fn

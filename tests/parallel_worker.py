@@ -10,6 +10,7 @@ over max |unsharded|, for the output and each gradient.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import sys
@@ -249,6 +250,48 @@ def check_layer():
     emit(check="layer", mesh=name, max_error=max(errors))
 
 
+def check_attention_fn():
+  """flax's MultiHeadDotProductAttention with fl.attention_fn on a data x tensor mesh (given as
+  attention_fn's `mesh=`, or current) against the same params without a mesh: flax's dense mask
+  (causal and padding, [batch, 1, q, kv]) and dropout per batch row and head both travel through
+  shard_map, and the traced call holds a shard_map."""
+  import flax.linen as nn
+
+  mesh = parallel.make_mesh(data=2, tensor=2)
+  rng = np.random.default_rng(2)
+  x = jnp.asarray(rng.standard_normal((4, 16, 32)), jnp.float32)
+  valid = jnp.arange(16)[None, :] < jnp.asarray([[16], [11], [7], [16]])
+  mask = nn.combine_masks(nn.make_causal_mask(valid), nn.make_attention_mask(valid, valid))
+
+  def layer(**fixed):
+    return nn.MultiHeadDotProductAttention(num_heads=4, dropout_rate=0.3, broadcast_dropout=False,
+                                           attention_fn=fl.attention_fn(impl="auto", **fixed))
+
+  params = layer().init(jax.random.key(0), x, deterministic=True)
+
+  def loss(layer, params, x):
+    out = layer.apply(params, x, mask=mask, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    return jnp.sum(jnp.sin(out)), out
+
+  def value_and_grad(layer):
+    return jax.jit(jax.grad(functools.partial(loss, layer), argnums=(0, 1), has_aux=True))
+
+  def has_shard_map(layer):
+    return "shard_map" in str(jax.make_jaxpr(functools.partial(loss, layer))(params, x))
+
+  expected = value_and_grad(layer())(params, x)
+  given = value_and_grad(layer(mesh=mesh))(params, x)
+  sharded = {"given": has_shard_map(layer(mesh=mesh))}
+  with jax.set_mesh(mesh):
+    current = value_and_grad(layer())(params, x)
+    sharded["current"] = has_shard_map(layer())
+  for name, actual in (("given", given), ("current", current)):
+    # As check_layer: relative, with a floor of 1 (the key bias's gradient is zero up to rounding).
+    errors = [float(np.max(np.abs(np.asarray(a) - np.asarray(e))) / max(np.max(np.abs(np.asarray(e))), 1.0))
+              for a, e in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True)]
+    emit(check="attention_fn", mesh=name, max_error=max(errors), sharded=sharded[name])
+
+
 def check_process(process_id: int, num_processes: int, port: int):
   """One process of a multi-process job: sharded calls against this process's unsharded result."""
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
@@ -281,6 +324,8 @@ if __name__ == "__main__":
         check_hlo()
       elif check == "layer":
         check_layer()
+      elif check == "attention_fn":
+        check_attention_fn()
       elif check == "gpu":
         check_gpu_kernels()
       elif check == "ring_kernels":
@@ -288,4 +333,5 @@ if __name__ == "__main__":
       elif check == "meshes":
         check_meshes(sys.argv[2].split(","))
       else:
-        raise SystemExit(f"unknown check {check!r}; meshes, hlo, layer, gpu (joined by +) or process")
+        raise SystemExit(f"unknown check {check!r}; meshes, hlo, layer, attention_fn, gpu (joined by +) "
+                         "or process")

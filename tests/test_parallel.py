@@ -3,7 +3,8 @@
 Multi-device checks run in subprocesses (tests/parallel_worker.py) with 8 simulated
 CPU devices, so this process -- and the rest of the suite -- keeps one device:
 * one process per impl runs its (case, mesh) forward+gradient checks; others check the compiled
-  ring (HLO, memory), the Flax layer, and the ring with the GPU kernels interpreted;
+  ring (HLO, memory), the Flax layer, flax's own attention module with `fl.attention_fn` (4 devices),
+  and the ring with the GPU kernels interpreted;
 * a 2-process x 2-device job on localhost (gloo collectives) runs sharded calls,
   incl. a ring over all 4 devices;
 * an ahead-of-time compile of ring-sharded flash_pallas for a v5p:2x2x2 slice (libtpu).
@@ -123,6 +124,15 @@ def test_flax_layer_shards_over_its_mesh_or_the_current_one():
   results = {r["mesh"]: r for r in _run(["layer"]) if r["check"] == "layer"}
   assert set(results) == {"given", "current"}
   for name, result in results.items():
+    assert result["max_error"] <= F32_TOL, (name, result)  # output and every gradient
+
+
+def test_flax_attention_fn_shards_over_its_mesh_or_the_current_one():
+  """fl.attention_fn in flax's MultiHeadDotProductAttention takes fl.attention's mesh path."""
+  results = {r["mesh"]: r for r in _run(["attention_fn"], devices=4) if r["check"] == "attention_fn"}
+  assert set(results) == {"given", "current"}
+  for name, result in results.items():
+    assert result["sharded"], (name, result)  # a shard_map, not GSPMD
     assert result["max_error"] <= F32_TOL, (name, result)  # output and every gradient
 
 
@@ -284,6 +294,20 @@ def test_uneven_splits_name_the_dimension(mesh, shapes, words):
     fl.explain(q, k, v, impl="reference", mesh=_abstract(**mesh))
   for word in words:
     assert word in str(info.value)
+
+
+def test_dense_mask_and_bias_refused_on_a_ring():
+  """They would have to travel around the ring with K/V; attention_fn names them (fixed mesh or current)."""
+  q = jax.ShapeDtypeStruct((2, 16, 2, 8), jnp.float32)
+  mask = jax.ShapeDtypeStruct((2, 1, 16, 16), jnp.bool_)
+  ring = _abstract(sequence=2)
+  fn = fl.attention_fn(impl="reference", mesh=ring)
+  with pytest.raises(fl.UnsupportedError, match="dense mask with a sequence-sharded"):
+    jax.eval_shape(lambda q, mask: fn(q, q, q, mask=mask), q, mask)
+  with jax.sharding.use_abstract_mesh(ring), pytest.raises(fl.UnsupportedError,
+                                                            match="dense bias with a sequence-sharded"):
+    jax.eval_shape(lambda q, bias: fl.attention_fn(impl="reference")(q, q, q, bias=bias), q,
+                   jax.ShapeDtypeStruct((2, 1, 16, 16), jnp.float32))
 
 
 def test_mesh_must_be_a_mesh():

@@ -61,8 +61,13 @@ SHAPES = [
 
 
 @functools.cache
+def _devices(generation: str):
+  """The 4 chips of the generation's slice (a 2x2 topology)."""
+  return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices
+
+
 def _device(generation: str):
-  return topologies.get_topology_desc(platform="tpu", topology_name=TOPOLOGIES[generation]).devices[0]
+  return _devices(generation)[0]
 
 
 def _compile(generation: str, shape: Shape, dtype=jnp.bfloat16, impl="flash_pallas", **kwargs):
@@ -195,6 +200,37 @@ def test_dropout_and_alibi_compile_with_no_extra_memory():
   without = plain.memory_analysis().temp_size_in_bytes
   with_dropout = extra.memory_analysis().temp_size_in_bytes
   assert with_dropout <= 1.2 * without, (with_dropout, without)
+
+
+@pytest.mark.parametrize("impl", ["auto", "flash_pallas"])
+def test_flax_attention_fn_on_a_batch_sharded_v5e_slice(impl):
+  """flax's own `nn.MultiHeadDotProductAttention` with `fl.attention_fn`, its inputs batch-sharded over
+  the 4 chips of a v5e:2x2 slice under `jax.set_mesh`, forward + backward: attention_fn takes
+  `fl.attention`'s mesh path (shard_map), so GSPMD never meets a Mosaic kernel it cannot partition,
+  and each chip runs our kernels on its batch row."""
+  import flax.linen as nn  # noqa: PLC0415
+
+  mesh = fl.make_mesh(data=4, devices=_devices("v5e"))
+  layer = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=256,
+                                          attention_fn=fl.attention_fn(impl=impl, causal=True))
+  x = jax.ShapeDtypeStruct((4, 256, 128), jnp.bfloat16)
+  params = jax.eval_shape(layer.init, jax.random.key(0), x)
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  params = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype, sharding=replicated), params)
+  x = jax.ShapeDtypeStruct(x.shape, x.dtype,
+                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")))
+
+  def loss(params, x):
+    return layer.apply(params, x).astype(jnp.float32).sum()
+
+  with jax.set_mesh(mesh):
+    compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, x).compile()
+  hlo = compiled.as_text()
+  assert _mosaic_kernels(hlo) == sorted(KERNELS), hlo[:2000]
+  assert "callback" not in hlo
+  # Each chip's kernels see its own batch row: the forward kernel's output is [1, ...], not [4, ...].
+  outputs = re.findall(r"= ([^\n]*?) custom-call\([^\n]*custom_call_target=\"tpu_custom_call\"", hlo)
+  assert len(outputs) == len(KERNELS) and not any("[4," in o for o in outputs), outputs
 
 
 SPLASH_SHAPES = [

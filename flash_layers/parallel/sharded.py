@@ -136,6 +136,10 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
   if args.bias is not None and plan.sequence > 1:
     raise UnsupportedError("dense bias with a sequence-sharded (ring) mesh: the bias would travel "
                            "with K/V; use alibi_slopes, or a mesh with sequence=1")
+  if args.dense_mask is not None and plan.sequence > 1:
+    raise UnsupportedError("dense mask with a sequence-sharded (ring) mesh: the mask would travel "
+                           "with K/V; use causal/window/segment ids (fl.MultiHeadAttention), or a "
+                           "mesh with sequence=1")
   if plan.kv_gather is not None:
     index = jnp.asarray(plan.kv_gather, jnp.int32)
     key, value = jnp.take(key, index, axis=2), jnp.take(value, index, axis=2)
@@ -147,11 +151,12 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
   has_segments = args.q_segment_ids is not None
   # Dropout hashes *global* batch rows and heads: each device adds the start of its shard.
   extras = {name: x for name, x in (("dropout_seed", args.dropout_seed), ("alibi_slopes", args.alibi_slopes),
-                                    ("bias", args.bias)) if x is not None}
+                                    ("bias", args.bias), ("dense_mask", args.dense_mask)) if x is not None}
   extra_specs = {"dropout_seed": P(), "alibi_slopes": P(tensor)}
-  if args.bias is not None:
-    extra_specs["bias"] = P(batch if args.bias.shape[0] > 1 else None,
-                            tensor if args.bias.shape[1] > 1 else None, None, None)
+  for name in ("bias", "dense_mask"):  # rank 4 [b|1, h|1, q, kv]: split only the full dimensions
+    if name in extras:
+      shape = extras[name].shape
+      extra_specs[name] = P(batch if shape[0] > 1 else None, tensor if shape[1] > 1 else None, None, None)
 
   def local_call(q, k, v, *rest):
     q_seg, kv_seg = rest[:2] if has_segments else (None, None)
