@@ -107,16 +107,25 @@ CASES = {"causal_packed_gqa": MESHES, "dropout_alibi": ((2, 1, 4, 1), (1, 1, 2, 
 PLAN_CASES = ("uneven_gqa", "explicit_mqa", "bias_heads")
 
 
-# flash_pallas runs interpreted (seconds per compiled program): causal_packed_gqa on the three
-# meshes that hold every axis (data x tensor, tensor x ring, fsdp x ring) instead of five.
-INTERPRETED_MESHES = {"causal_packed_gqa": ((2, 1, 4, 1), (1, 1, 2, 4), (1, 2, 1, 4))}
+# The other impls: causal_packed_gqa on the three meshes that hold every axis (data x tensor,
+# tensor x ring, fsdp x ring) instead of five. flash_pallas runs interpreted (seconds per
+# compiled program, proportional to the batch): a batch of 4, and one mesh per other case, the
+# one with a ring.
+THREE_MESHES = {"causal_packed_gqa": ((2, 1, 4, 1), (1, 1, 2, 4), (1, 2, 1, 4))}
+INTERPRETED_MESHES = {"dropout_alibi": ((1, 2, 1, 4),), "window_mqa": ((1, 1, 2, 4),)}
 
 
 def cases_for(impl: str) -> dict:
   cases = {case: meshes for case, meshes in CASES.items() if impl == "reference" or case not in PLAN_CASES}
+  if impl != "reference":
+    cases.update(THREE_MESHES)
   if impl == "flash_pallas":
     cases.update(INTERPRETED_MESHES)
   return cases
+
+
+def batch_for(impl: str) -> int:
+  return 4 if impl == "flash_pallas" else 8
 
 
 def make_mesh(case, shape):
@@ -131,7 +140,7 @@ def check_meshes(impls):
   """Forward and gradients of each sharded call against the same impl unsharded."""
   for impl in impls:
     for case, meshes in cases_for(impl).items():
-      q, k, v, kwargs = problem(case)
+      q, k, v, kwargs = problem(case, batch=batch_for(impl))
       expected = value_and_grads(impl, None, kwargs)(q, k, v, arrays_of(kwargs))
       for shape in meshes:
         mesh = make_mesh(case, shape)
