@@ -104,7 +104,7 @@ def test_block_sizes_do_not_change_the_result():
 
 
 def test_tpu_block_sizes_do_not_change_the_result():
-  q, k, v, do = _inputs(b=1, t=260, s=260, h=1, kvh=1, d=16)
+  q, k, v, do = _inputs(b=1, t=140, s=140, h=1, kvh=1, d=16)  # a whole block and a tail at 128
   kw = {**KW, "alibi_slopes": fl.alibi_slopes(1)}
   results = []
   for sizes in (fl.BlockSizes(128, 128, 128, 256), fl.BlockSizes(256, 128, 256, 128)):
