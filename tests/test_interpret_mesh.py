@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import FAST_CPU_COMPILE  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -44,7 +45,7 @@ SCRIPT = textwrap.dedent("""
                          ids=["gqa-data-mesh", "mqa-ring"])
 def test_tpu_interpret_under_a_mesh_runs_and_matches(heads, kv_heads, axis):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_CPU_COMPILE}")
   proc = subprocess.run([sys.executable, "-c", SCRIPT, str(heads), str(kv_heads), axis], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=420)
   assert proc.returncode == 0, proc.stderr[-4000:]
