@@ -177,3 +177,39 @@ def test_platform_dependent_lowers_only_the_lowering_platforms_branch():
   traced.lower(lowering_platforms=("cpu",))
   with pytest.raises(ValueError, match="^cuda branch lowered$"):
     traced.lower(lowering_platforms=("cuda",))
+
+
+# ----------------------------------------------------------------------------
+# testing/strict.py: the strict tier's two hooks into jax's TPU interpreter
+# ----------------------------------------------------------------------------
+
+def test_strict_tier_race_hook():
+  """watch_races subclasses interpret_pallas_call.RaceDetectionState (module attribute, replaced
+  for the block), wraps check_read/check_write reading buffer_key and rnge by name, and watches the
+  races_found attribute the detector sets."""
+  import importlib
+
+  from flash_layers.testing import strict
+  module = importlib.import_module(strict._INTERPRETER_MODULE)
+  state = module.RaceDetectionState
+  for name in ("check_read", "check_write"):
+    params = inspect.signature(getattr(state, name)).parameters
+    assert {"buffer_key", "rnge"} <= set(params), (name, list(params))
+  with strict.watch_races() as races:
+    assert module.RaceDetectionState is not state and issubclass(module.RaceDetectionState, state)
+  assert module.RaceDetectionState is state and list(races) == []
+  assert "races_found" in inspect.getsource(state)
+
+
+def test_strict_tier_compile_once_hook():
+  """interpreting() swaps thread_map._run_jaxpr(jaxpr, consts, *args), each simulated core's
+  runner, for one that compiles each distinct program once; without it the tier only runs slower,
+  so its absence must fail here instead."""
+  import importlib
+
+  from flash_layers.testing import strict
+  module = importlib.import_module(strict._THREAD_MAP_MODULE)
+  _binds(module._run_jaxpr, "jaxpr", "consts", 1, 2)
+  with strict._compile_once():
+    assert module._run_jaxpr is strict._run_compiled_once
+  assert module._run_jaxpr is not strict._run_compiled_once
