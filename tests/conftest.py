@@ -15,10 +15,16 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 # takes a quarter to a third off that. It changes no HLO pass, so memory analyses and HLO checks
 # see the same programs; numerics stay IEEE (XLA's CPU fast-math is off either way). TPU compiles
 # (libtpu reads LIBTPU_INIT_ARGS, not XLA_FLAGS) are untouched; subprocesses that set their own
-# XLA_FLAGS drop it, unless they add FAST_CPU_COMPILE.
+# XLA_FLAGS replace it: they take theirs from subprocess_xla_flags, which keeps it.
 FAST_CPU_COMPILE = "--xla_backend_optimization_level=0"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + FAST_CPU_COMPILE).strip()
+
+
+def subprocess_xla_flags(devices: int) -> str:
+  """XLA_FLAGS for a test's child process: `devices` simulated CPU devices, compiled as above."""
+  return f"--xla_force_host_platform_device_count={devices} {FAST_CPU_COMPILE}"
+
 # pytest -n 2 runs tests in two processes; each may load libtpu for AOT compiles.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 

@@ -16,7 +16,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from conftest import FAST_CPU_COMPILE  # noqa: E402
+from conftest import subprocess_xla_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent("""
                          ids=["gqa-data-mesh", "mqa-ring"])
 def test_tpu_interpret_under_a_mesh_runs_and_matches(heads, kv_heads, axis):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count=8 {FAST_CPU_COMPILE}")
+             XLA_FLAGS=subprocess_xla_flags(8))
   proc = subprocess.run([sys.executable, "-c", SCRIPT, str(heads), str(kv_heads), axis], env=env, cwd=ROOT,
                         capture_output=True, text=True, timeout=420)
   assert proc.returncode == 0, proc.stderr[-4000:]

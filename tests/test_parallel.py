@@ -39,12 +39,12 @@ F32_TOL = 1e-5  # as the conformance suite: relative error of float32 results
 IMPLS = ("reference", "xla_chunked", "flash_pallas")
 sys.path.insert(0, str(WORKER.parent))
 import parallel_worker  # noqa: E402 -- the case table; importing it starts no devices
-from conftest import FAST_CPU_COMPILE  # noqa: E402
+from conftest import subprocess_xla_flags  # noqa: E402
 
 
 def _env(devices: int) -> dict[str, str]:
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_CPU_COMPILE}")
+             XLA_FLAGS=subprocess_xla_flags(devices))
   env.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-4")
   env.setdefault("TPU_SKIP_MDS_QUERY", "1")
   return env

@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 import tensorstore
-from conftest import FAST_CPU_COMPILE  # noqa: E402
+from conftest import subprocess_xla_flags
 
 from flash_layers import host
 from flash_layers.training import checkpoint as checkpoint_lib
@@ -75,8 +75,7 @@ def _env(devices: int = 1, *, as_user: bool = False) -> dict:
   (kept on a host with a TPU or GPU, where the scripts would otherwise use it)."""
   env = dict(os.environ)
   env.update(JAX_PLATFORMS="cpu", TPU_ACCELERATOR_TYPE="v5litepod-4", TPU_SKIP_MDS_QUERY="1",
-             PYTHONPATH=str(REPO),
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {FAST_CPU_COMPILE}")
+             PYTHONPATH=str(REPO), XLA_FLAGS=subprocess_xla_flags(devices))
   if as_user and not host.accelerator_present():
     for name in ("JAX_PLATFORMS", "TPU_ACCELERATOR_TYPE", "TPU_SKIP_MDS_QUERY", "ALLOW_MULTIPLE_LIBTPU_LOAD"):
       env.pop(name, None)

@@ -8,6 +8,7 @@ that one of the names it tries exists, not which one.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import jax
@@ -18,6 +19,7 @@ import pytest
 from flash_layers import dispatch, lowering
 from flash_layers.impls import jax_splash
 from flash_layers.parallel import mesh as mesh_lib
+from flash_layers.testing import strict
 
 
 def _splash_kernel():
@@ -187,9 +189,6 @@ def test_strict_tier_race_hook():
   """watch_races subclasses interpret_pallas_call.RaceDetectionState (module attribute, replaced
   for the block), wraps check_read/check_write reading buffer_key and rnge by name, and watches the
   races_found attribute the detector sets."""
-  import importlib
-
-  from flash_layers.testing import strict
   module = importlib.import_module(strict._INTERPRETER_MODULE)
   state = module.RaceDetectionState
   for name in ("check_read", "check_write"):
@@ -205,9 +204,6 @@ def test_strict_tier_compile_once_hook():
   """interpreting() swaps thread_map._run_jaxpr(jaxpr, consts, *args), each simulated core's
   runner, for one that compiles each distinct program once; without it the tier only runs slower,
   so its absence must fail here instead."""
-  import importlib
-
-  from flash_layers.testing import strict
   module = importlib.import_module(strict._THREAD_MAP_MODULE)
   _binds(module._run_jaxpr, "jaxpr", "consts", 1, 2)
   with strict._compile_once():
