@@ -99,10 +99,12 @@ def _lowered_text(impl: str, platform: str, t: int) -> str:
 def test_cpu_lowering_loops_and_cuda_does_not(impl):
   """Chosen by the platform the program is lowered for: the CPU program's logits are one kv head's
   [2 query heads, 256, 256] inside the loops; a CUDA lowering (from this CPU host) keeps every row and
-  head in one [2 rows, 2 kv heads, 2, 256, 256] array (xla_dense's batch, xla_chunked's vmap)."""
+  head in one [2 rows, 2 kv heads, 2, 256, 256] array (xla_dense's batch, xla_chunked's vmap).
+  (xla_chunked runs a one-row step without vmap, so its step's logits have no batch axis.)"""
   assert cpu_loop.CACHE_BYTES < 4 * 2 * 4 * 256 * 256  # the whole call's logits do not fit: loop
   cpu, cuda = _lowered_text(impl, "cpu", 256), _lowered_text(impl, "cuda", 256)
-  per_head, whole = "tensor<1x1x2x256x256xf32>", "tensor<2x2x2x256x256xf32>"  # [b, kvh, g, t, s]
+  per_head = {"xla_dense": "tensor<1x1x2x256x256xf32>", "xla_chunked": "tensor<1x2x256x256xf32>"}[impl]
+  whole = "tensor<2x2x2x256x256xf32>"  # [b, kvh, g, t, s]
   assert per_head in cpu and whole not in cpu
   assert whole in cuda and per_head not in cuda
 

@@ -178,3 +178,22 @@ def test_dropout_and_alibi_add_no_memory():
   print(f"temp bytes at 16384 tokens: {without / 2**20:.1f} MiB without, {with_extras / 2**20:.1f} MiB "
         "with dropout + alibi")
   assert with_extras <= 1.2 * without
+
+
+def test_one_row_branches_on_full_chunks_and_many_rows_do_not():
+  """A one-row call (each step of the CPU loop) runs its fully visible chunks without the element
+  mask: the traced program holds a `cond` on the block map's full flag. Under vmap (several rows) a
+  batched predicate would run both branches, so that program has none. Both agree with the oracle
+  (test_many_small_chunks runs one-row and three-row configs)."""
+  def conds(b):
+    q = jnp.zeros((b, 128, 2, 16), jnp.float32)
+    seg = jnp.ones((b, 128), jnp.int32)
+
+    def f(q, seg):
+      request, args = dispatch.prepare(q, q, q, causal=True, segment_ids=seg)
+      return XlaChunked(32, 32)._attend(q, q, q, request=request, args=args)
+
+    return str(jax.make_jaxpr(f)(q, seg)).count(" cond[")
+
+  assert conds(1) >= 1
+  assert conds(2) == 0

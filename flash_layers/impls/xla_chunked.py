@@ -10,7 +10,11 @@ chunk. Forward and backward therefore use O(len * chunk) memory.
 
 Chunks the mask makes wholly invisible are never visited: each q chunk loops
 over the ``kv_count`` visible kv chunks listed in ``masks.block_map``'s
-``kv_index``; inside a visited chunk, ``masks.visible`` masks element-wise.
+``kv_index``; inside a visited chunk, ``masks.visible`` masks element-wise, except
+in a chunk the block map marks full (every pair visible), which a one-row call
+(each step of the CPU loop) runs without the element mask (a long document's rows
+are mostly full chunks). Under vmap the branch would run both sides, so a call
+of several rows always masks.
 
 Dropout, ALiBi: each visited tile hashes its keep mask (`dropout.keep`) and its
 ALiBi term from global indices, in the forward and again in the backward; no
@@ -174,20 +178,24 @@ class _Row:
     return self.st.request.softcap * t, t
 
 
-def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, bias, slopes, ints,
-                 batch_index):
-  """One batch row. q [nq, kvh, g, bq, d], k/v [nk, kvh, bk, d|dv] -> out f32 [nq, kvh, g, bq, dv], lse."""
+def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, dense, bias, slopes,
+                 ints, batch_index, *, branch: bool = False):
+  """One batch row. q [nq, kvh, g, bq, d], k/v [nk, kvh, bk, d|dv] -> out f32 [nq, kvh, g, bq, dv], lse.
+
+  branch=True (only outside vmap, where a batched predicate would run both branches): a tile whose
+  pairs are all visible (`kv_full`, from the block map) skips the element mask."""
   row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index)
   kvh, g, bq, dv = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
 
   def q_chunk(args):
     qb, q_blk = args
 
-    def visit(i, carry):
+    def tile(i, carry, masked: bool):
       m, denom, acc = carry
       kb = kv_index[qb, i]
       s, _ = row.logits(q_blk, k[kb], qb, kb)
-      s = jnp.where(row.mask(qb, kb), s, -jnp.inf)
+      if masked:
+        s = jnp.where(row.mask(qb, kb), s, -jnp.inf)
       m_new = jnp.maximum(m, s.max(-1))
       # A row with nothing visible yet keeps m = -inf; shifting by 0 then keeps
       # every exp() at exp(-inf) = 0 instead of NaN.
@@ -201,6 +209,12 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, d
       acc = correction[..., None] * acc + _dot(st, p, v[kb], "kgts,ksv->kgtv")
       return m_new, denom, acc
 
+    def visit(i, carry):
+      if not (branch and dense is None):
+        return tile(i, carry, masked=True)
+      return jax.lax.cond(kv_full[qb, i], functools.partial(tile, i, masked=False),
+                          functools.partial(tile, i, masked=True), carry)
+
     init = (jnp.full((kvh, g, bq), -jnp.inf, jnp.float32), jnp.zeros((kvh, g, bq), jnp.float32),
             jnp.zeros((kvh, g, bq, dv), jnp.float32))
     m, denom, acc = jax.lax.fori_loop(0, kv_count[qb], visit, init)
@@ -213,8 +227,8 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, d
   return jax.lax.map(q_chunk, (jnp.arange(q.shape[0], dtype=jnp.int32), q))
 
 
-def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, dense, bias, slopes, ints,
-                  batch_index, lse, delta, dout):
+def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, dense, bias, slopes,
+                  ints, batch_index, lse, delta, dout):
   """One batch row's dq, dk, dv (float32) and dbias, recomputing each visited tile's probabilities from lse.
 
   With s the (capped) logits, p = exp(s - lse) and m the dropout multiplier (1 without dropout):
@@ -279,33 +293,38 @@ def _squeeze_shared(*arrays):
   return tuple(x[0] if x is not None and x.shape[0] == 1 else x for x in arrays)
 
 
-def _row_inputs(q_seg, kv_seg, kv_index, kv_count, extras: _Extras):
+def _row_inputs(q_seg, kv_seg, kv_index, kv_count, kv_full, extras: _Extras):
   """(arrays, vmap in_axes) of the per-row inputs after q, k, v: segments, block lists, extras."""
-  arrays = (q_seg, kv_seg, kv_index, kv_count, extras.dense, extras.bias)
+  arrays = (q_seg, kv_seg, kv_index, kv_count, kv_full, extras.dense, extras.bias)
   axes = tuple(_row_axis(x) for x in arrays)
   return (*_squeeze_shared(*arrays), extras.slopes, extras.ints), (*axes, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, extras):
-  return _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, extras)[0]
+def _chunked(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, extras):
+  return _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, extras)[0]
 
 
-def _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, extras):
-  arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, extras)
-  fwd = jax.vmap(_forward_row, in_axes=(None, 0, 0, 0, *axes, 0))
-  out, lse = fwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32))
-  residuals = (q, k, v, q_seg, kv_seg, kv_index, kv_count, extras, out, lse)
+def _chunked_fwd(st, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, extras):
+  arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, kv_full, extras)
+  if q.shape[0] == 1:  # one row (each step of the CPU loop): no vmap, so full tiles can branch
+    rows = [x if a is None else x[0] for x, a in zip(arrays, axes, strict=True)]
+    out, lse = _forward_row(st, q[0], k[0], v[0], *rows, jnp.int32(0), branch=True)
+    out, lse = out[None], lse[None]
+  else:
+    fwd = jax.vmap(_forward_row, in_axes=(None, 0, 0, 0, *axes, 0))
+    out, lse = fwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32))
+  residuals = (q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, extras, out, lse)
   return (out, lse), residuals
 
 
 def _chunked_bwd(st, residuals, cotangents):
-  q, k, v, q_seg, kv_seg, kv_index, kv_count, extras, out, lse = residuals
+  q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, extras, out, lse = residuals
   dout, dlse = cotangents
   dout = dout.astype(jnp.float32)
   # d lse_i / d s_ij = p_ij, so an lse cotangent enters exactly like -delta.
   delta = jnp.sum(dout * out, axis=-1) - dlse.astype(jnp.float32)
-  arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, extras)
+  arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, kv_full, extras)
   bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
   dq, dk, dv, dbias = bwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32), lse, delta, dout)
   if dbias is not None:  # [b, h|1, tp, sp], summed over the rows when the bias is shared by them
@@ -313,10 +332,15 @@ def _chunked_bwd(st, residuals, cotangents):
     dbias = (dbias.sum(0, keepdims=True) if bias.shape[0] == 1 else dbias).astype(bias.dtype)
   slopes = None if extras.slopes is None else jnp.zeros_like(extras.slopes)
   d_extras = _Extras(None, dbias, slopes, None)
-  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, d_extras)
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None, d_extras)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+def _listed_full(bm: masks.BlockMap) -> jax.Array:
+  """bool [b|1, nq, nk]: is the i-th kv chunk in a q chunk's visit list (`kv_index`) fully visible?"""
+  return jnp.take_along_axis(bm.full, bm.kv_index, axis=2)
 
 
 class XlaChunked:
@@ -355,7 +379,7 @@ class XlaChunked:
     b, t, h, d = q.shape
     dv = v.shape[3]
     st, (qc, kc, vc), q_seg, kv_seg, bm, extras = self._layout(q, k, v, request, args)
-    out, lse = _chunked(st, qc, kc, vc, q_seg, kv_seg, bm.kv_index, bm.kv_count, extras)
+    out, lse = _chunked(st, qc, kc, vc, q_seg, kv_seg, bm.kv_index, bm.kv_count, _listed_full(bm), extras)
     # [b, nq, kvh, g, bq, dv] -> [b, t, h, dv]; lse [b, nq, kvh, g, bq] -> [b, h, t].
     tp = out.shape[1] * st.block_q
     out = out.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, dv)[:, :t].astype(q.dtype)
@@ -383,7 +407,7 @@ class XlaChunked:
 
     dout = pad_to(d_out.astype(jnp.float32), 1, tp)
     dout = dout.reshape(b, nq, bq, kvh, g, -1).transpose(0, 1, 3, 4, 2, 5)
-    arrays, axes = _row_inputs(q_seg, kv_seg, bm.kv_index, bm.kv_count, extras)
+    arrays, axes = _row_inputs(q_seg, kv_seg, bm.kv_index, bm.kv_count, _listed_full(bm), extras)
     bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
     dq, dk, dv, _ = bwd(st, qc, kc, vc, *arrays, jnp.arange(b, dtype=jnp.int32),
                         rows(lse, -jnp.inf), rows(delta, 0.0), dout)
