@@ -10,8 +10,9 @@ from flash_layers import host as _host
 # Before jax starts a backend: on a CPU-only host with libtpu installed, the CPU, quietly.
 _host.default_to_cpu_without_accelerator()
 
+from flash_layers.alibi import alibi_slopes  # noqa: E402
 from flash_layers.api import Explanation, attention, explain  # noqa: E402
-from flash_layers.dropout import alibi_slopes, dropout_mask  # noqa: E402
+from flash_layers.dropout import dropout_mask  # noqa: E402
 from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
 from flash_layers.impls.tiling import BlockSizes, CpuBlockSizes, GpuBlockSizes  # noqa: E402
 from flash_layers.layers import MultiHeadAttention, attention_fn  # noqa: E402

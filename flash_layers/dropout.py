@@ -1,4 +1,4 @@
-"""Attention dropout and ALiBi, in one place.
+"""Attention dropout, in one place.
 
 Dropout. After the softmax each probability p[b, h, i, j] is kept with
 probability 1 - rate (and scaled by 1 / (1 - rate)), else zeroed. Whether it is
@@ -9,15 +9,11 @@ operations that wrap (add, multiply, xor, logical shifts), which jnp, Mosaic
 call is the same under every impl, platform, block size, chunking, mesh and
 ring layout: each computes `keep` on the positions it holds, from global
 offsets. Nothing of size [q_len, kv_len] is stored: kernels hash the tile they
-are working on, forward and backward alike.
-
-ALiBi (Press et al. 2022, arXiv 2108.12409): logits[b, h, i, j] += -slope[h] * |i - j|
-with global positions, computed inside every kernel from positions alone.
+are working on, forward and backward alike. The kernels read each (row, head)'s
+stream from `kernel_table`.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -129,60 +125,3 @@ def dropout_mask(dropout_rng: jax.Array, *, batch: int, num_heads: int, q_len: i
   q_pos = q_offset + jnp.arange(q_len, dtype=jnp.int32)[:, None]
   kv_pos = kv_offset + jnp.arange(kv_len, dtype=jnp.int32)[None, :]
   return keep(stream(seed, b, h), q_pos, kv_pos, rate)
-
-
-# ----------------------------------------------------------------------------
-# ALiBi
-# ----------------------------------------------------------------------------
-
-def alibi_slopes(num_heads: int) -> jax.Array:
-  """The standard geometric ALiBi slopes for `num_heads` heads, float32 [num_heads].
-
-  For n a power of two: 2^(-8 k / n), k = 1..n. Otherwise the slopes of the largest power of
-  two m < n, followed by every other slope of 2m (Press et al., reference implementation).
-  """
-  if isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer)) or num_heads < 1:
-    raise ValueError(f"num_heads must be a positive int; got {num_heads!r}")
-
-  def power_of_two(n):
-    return [2.0 ** (-8.0 * k / n) for k in range(1, n + 1)]
-
-  m = 2 ** int(math.floor(math.log2(num_heads)))
-  slopes = power_of_two(m)
-  if m != num_heads:
-    slopes += power_of_two(2 * m)[0::2][:num_heads - m]
-  return jnp.asarray(slopes, jnp.float32)
-
-
-def alibi(slope, q_pos, kv_pos):
-  """float32 -slope * |i - j| (broadcasts; positions global)."""
-  dist = jnp.abs(jnp.asarray(q_pos, jnp.int32) - jnp.asarray(kv_pos, jnp.int32)).astype(jnp.float32)
-  return -jnp.asarray(slope, jnp.float32) * dist
-
-
-def offsets_table(request, args, batch: int) -> jax.Array:
-  """int32 [q_offset, kv_offset, then `kernel_table`]: the scalars both kernel families keep in
-  SMEM (TPU) or read as a small array (GPU); the offsets may be traced (ring attention)."""
-  offsets = jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])
-  return jnp.concatenate([offsets, kernel_table(request, args, batch, request.num_heads)])
-
-
-def kernel_table(request, args, batch: int, num_heads: int) -> jax.Array:
-  """int32 [alibi slope bits (num_heads), dropout streams (batch * num_heads)] for the kernels.
-
-  Both kernel families read it as scalars: slope of local head h at ``h`` (float32 bits), stream
-  of local (batch row b, head h) at ``slopes + b * num_heads + h``. Each part is present only
-  when the request uses it. The streams come from `stream` on global indices, so a kernel only
-  hashes positions (`bits`), exactly as the other impls do.
-  """
-  parts = []
-  if request.has_alibi:
-    parts.append(jax.lax.bitcast_convert_type(args.alibi_slopes.astype(jnp.float32), jnp.int32))
-  if request.has_dropout:
-    if request.dropout_broadcast:
-      b = h = jnp.zeros((batch, num_heads), jnp.int32)
-    else:
-      b = args.batch_offset + jnp.arange(batch, dtype=jnp.int32)[:, None]
-      h = args.head_offset + jnp.arange(num_heads, dtype=jnp.int32)[None, :]
-    parts.append(stream(args.dropout_seed, b, h).reshape(-1))
-  return jnp.concatenate(parts) if parts else jnp.zeros((0,), jnp.int32)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks
+from flash_layers import dropout, masks, scores
 from flash_layers.impls.base import Args, Request
 
 
@@ -68,14 +68,7 @@ class Reference:
       dm = jnp.broadcast_to(args.dense_mask, (b, h, t, k.shape[1]))
       mask = mask & dm.reshape(b, kvh, g, t, k.shape[1])
     s = k.shape[1]
-    q_pos = args.q_offset + jnp.arange(t, dtype=jnp.int32)[:, None]
-    kv_pos = args.kv_offset + jnp.arange(s, dtype=jnp.int32)[None, :]
-    extra = None
-    if args.alibi_slopes is not None:
-      extra = dropout.alibi(args.alibi_slopes[:, None, None], q_pos, kv_pos)[None]  # [1, h, t, s]
-    if args.bias is not None:
-      bias = args.bias.astype(jnp.float32)
-      extra = bias if extra is None else extra + bias
+    extra = scores.dense_terms(args, t, s)  # ALiBi + bias, [b|1, h|1, t, s]
     if extra is not None:
       extra = jnp.broadcast_to(extra, (extra.shape[0], h, t, s)).reshape(-1, kvh, g, t, s)
     keep = None

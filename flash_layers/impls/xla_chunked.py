@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import dropout, masks
+from flash_layers.alibi import alibi
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import CpuBlockSizes, pad_to
@@ -169,7 +170,7 @@ class _Row:
     softcap's derivative."""
     s = _dot(self.st, q_blk, k_blk, "kgtd,ksd->kgts") * self.st.request.scale
     if self.slopes is not None:
-      s = s + dropout.alibi(self.slopes[..., None, None], *self.positions(qb, kb))
+      s = s + alibi(self.slopes[..., None, None], *self.positions(qb, kb))
     if self.bias is not None:
       s = s + self.bias_tile(qb, kb)
     if self.st.request.softcap is None:

@@ -43,7 +43,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, lowering, masks
+from flash_layers import dropout, lowering, masks, scores
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
@@ -200,19 +200,9 @@ def _grouped(x, group: int):
 
 def _extra(args: Args, b: int, h: int, t: int, s: int, group: int):
   """ALiBi + bias as one float32 term broadcastable to the logits, or None."""
-  extra = None
-  if args.alibi_slopes is not None:
-    q_pos = args.q_offset + jnp.arange(t, dtype=jnp.int32)[:, None]
-    kv_pos = args.kv_offset + jnp.arange(s, dtype=jnp.int32)[None, :]
-    extra = dropout.alibi(args.alibi_slopes[:, None, None], q_pos, kv_pos)[None]  # [1, h, t, s]
-  if args.bias is not None:
-    bias = args.bias.astype(jnp.float32)
-    while bias.ndim < 4:
-      bias = bias[None]
-    extra = bias if extra is None else extra + bias
+  extra = scores.dense_terms(args, t, s)  # [b|1, h|1, t, s]
   if extra is None:
     return None
-  extra = jnp.broadcast_to(extra, (extra.shape[0], extra.shape[1], t, s))
   if extra.shape[1] == 1 or group == 1:
     return extra if group == 1 else extra[:, :, None]
   return _grouped(extra, group)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks
+from flash_layers import masks, scores
 from flash_layers.impls.base import Args, Request
 
 _CUDNN_DTYPES = ("bfloat16", "float16")
@@ -33,15 +33,7 @@ def _uses_plain_causal(request: Request, args: Args) -> bool:
 
 def _bias(request: Request, args: Args, q_len: int, kv_len: int):
   """alibi + bias as one float32 array broadcastable to [b, h, q, kv], or None."""
-  total = None
-  if args.alibi_slopes is not None:
-    q_pos = args.q_offset + jnp.arange(q_len, dtype=jnp.int32)[:, None]
-    kv_pos = args.kv_offset + jnp.arange(kv_len, dtype=jnp.int32)[None, :]
-    total = dropout.alibi(args.alibi_slopes[:, None, None], q_pos, kv_pos)[None]
-  if args.bias is not None:
-    bias = args.bias.astype(jnp.float32)
-    total = bias if total is None else total + bias
-  return total
+  return scores.dense_terms(args, q_len, kv_len)
 
 
 class XlaNative:

@@ -41,7 +41,7 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 * Dropout and ALiBi: each tile hashes its keep mask (`dropout.keep`, the function every
   impl uses) and its ALiBi term from global positions, in the forward and again in
   both backward kernels. Slopes and per-(batch, head) dropout streams come in the
-  small int32 offsets table (`dropout.offsets_table`).
+  small int32 scalar table (`kernel_table`).
 
 Tile sizes, warps and pipeline stages come from one table (`gpu_config.TILE_TABLE`)
 by GPU generation and head_dim, each row citing its yardstick and sized to the
@@ -61,7 +61,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flash_layers import dropout, masks
+from flash_layers import dropout, kernel_table, masks
+from flash_layers.alibi import alibi
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.flash_pallas import gpu_config
 from flash_layers.impls.tiling import MIN_GPU_TILE, GpuBlockSizes, round_up
@@ -217,8 +218,9 @@ def _positions(st: _GpuCall, offsets_ref, q_block, kv_block, block_q, block_kv):
   """Global positions of a tile: q [block_q, 1], kv [1, block_kv] (None when unused)."""
   if not (st.request.has_alibi or st.request.has_dropout):
     return None
-  q_pos = offsets_ref[0] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  kv_pos = offsets_ref[1] + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+  table = kernel_table.Table.of(st.request)
+  q_pos = table.q_offset(offsets_ref) + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  kv_pos = table.kv_offset(offsets_ref) + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
   return q_pos[:, None], kv_pos[None, :]
 
 
@@ -226,7 +228,7 @@ def _alibi(st: _GpuCall, offsets_ref, head, positions):
   """The ALiBi term of a tile (slope bits from the offsets table), or None."""
   if not st.request.has_alibi:
     return None
-  return dropout.alibi(lax.bitcast_convert_type(offsets_ref[2 + head], jnp.float32), *positions)
+  return alibi(kernel_table.Table.of(st.request).slope(offsets_ref, head), *positions)
 
 
 def _keep(st: _GpuCall, offsets_ref, batch, head, positions):
@@ -234,8 +236,7 @@ def _keep(st: _GpuCall, offsets_ref, batch, head, positions):
   r = st.request
   if not r.has_dropout:
     return None
-  start = 2 + (r.num_heads if r.has_alibi else 0)
-  stream = offsets_ref[start + batch * r.num_heads + head]
+  stream = kernel_table.Table.of(r).stream(offsets_ref, batch, head)
   kept = dropout.keep(stream, *positions, r.dropout_rate)
   return jnp.where(kept, jnp.float32(dropout.keep_scale(r.dropout_rate)), jnp.float32(0.0))
 
@@ -277,8 +278,8 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, maske
   def element_mask(s2):
     q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-    q_pos = (offsets_ref[0] + q_local)[:, None]
-    kv_pos = (offsets_ref[1] + kv_local)[None, :]
+    q_pos = (offsets_ref[kernel_table.Q_OFFSET] + q_local)[:, None]
+    kv_pos = (offsets_ref[kernel_table.KV_OFFSET] + kv_local)[None, :]
     ok = masks.visible(q_pos, kv_pos, st.request.spec,
                        None if q_seg is None else q_seg[:, None],
                        None if kv_seg is None else kv_seg[None, :])
@@ -308,7 +309,8 @@ def _walk(st: _GpuCall, offsets_ref, table, own_block, own_size, own_len, other_
   block map's list (`table`: index, count, full refs) drives one loop and its `full` flag.
   """
   if st.arithmetic:
-    own_offset, other_offset = (offsets_ref[0], offsets_ref[1]) if by_q else (offsets_ref[1], offsets_ref[0])
+    q_off, kv_off = offsets_ref[kernel_table.Q_OFFSET], offsets_ref[kernel_table.KV_OFFSET]
+    own_offset, other_offset = (q_off, kv_off) if by_q else (kv_off, q_off)
     first = own_offset + own_block * own_size
     last = own_offset + jnp.minimum(own_block * own_size + own_size, own_len) - 1
     band = masks.band(st.request.spec, transpose=not by_q)
@@ -517,7 +519,7 @@ def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, *, by_q: bool, block_q: i
   if not st.arithmetic:
     r = st.request
     bmap = masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
-                           offsets[0], offsets[1])
+                           offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET])
     if by_q:
       index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
     else:
@@ -669,7 +671,7 @@ _flash.defvjp(_flash_forward, _flash_backward)
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   st = _GpuCall(request=request, cfg=gpu_config.config(request), interpret=bool(interpret))
   # [q_offset, kv_offset, alibi slopes, dropout streams]
-  return st, dropout.offsets_table(request, args, batch)
+  return st, kernel_table.build(request, args, batch)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):

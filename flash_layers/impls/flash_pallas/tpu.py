@@ -70,7 +70,8 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_layers import dropout, lowering, masks
+from flash_layers import dropout, kernel_table, lowering, masks
+from flash_layers.alibi import alibi
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.flash_pallas import tpu_config
 from flash_layers.impls.tiling import LANES, round_up
@@ -173,7 +174,7 @@ def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
   # offsets: [q_offset, kv_offset, alibi slopes, dropout streams], in SMEM.
-  return cfg, q_pad, kv_pad, dropout.offsets_table(request, args, batch)
+  return cfg, q_pad, kv_pad, kernel_table.build(request, args, batch)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
@@ -385,10 +386,10 @@ class _Grid:
   def _tile_visibility(self, cfg: _TpuCall, offsets_ref, tiles_ref, w: _Where):
     """(visible, full) of this step's tile, from SMEM scalars (`masks.tile_visibility`)."""
     bq, bk = self.block_q, self.block_kv
-    q_first = offsets_ref[0] + w.q_block * bq
-    q_last = offsets_ref[0] + jnp.minimum(w.q_block * bq + bq, cfg.request.q_len) - 1
-    kv_first = offsets_ref[1] + w.kv_block * bk
-    kv_last = offsets_ref[1] + jnp.minimum(w.kv_block * bk + bk, cfg.request.kv_len) - 1
+    q_first = offsets_ref[kernel_table.Q_OFFSET] + w.q_block * bq
+    q_last = offsets_ref[kernel_table.Q_OFFSET] + jnp.minimum(w.q_block * bq + bq, cfg.request.q_len) - 1
+    kv_first = offsets_ref[kernel_table.KV_OFFSET] + w.kv_block * bk
+    kv_last = offsets_ref[kernel_table.KV_OFFSET] + jnp.minimum(w.kv_block * bk + bk, cfg.request.kv_len) - 1
     q_info = kv_info = None
     if self.has_segments:  # 4 words per block: segment lo, hi, any global, all global
       at = (w.batch * self.num_q + w.q_block) * 4
@@ -446,7 +447,7 @@ def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool):
   if not cfg.has_segments and cfg.static_offsets is not None:
     xp, seg, offs = np, (None, None), cfg.static_offsets
   else:
-    xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[0], offsets[1])
+    xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET])
   r = cfg.request
   visible, _ = masks.block_visibility(r.q_len, r.kv_len, block_q, block_kv, r.spec, *seg, *offs,
                                       xp=xp)
@@ -517,7 +518,8 @@ def _tile(offsets_ref, step: _Step, shape, q_axis) -> _Tile:
   block_q, block_kv = shape[q_axis], shape[1 - q_axis]
   q_local = step.q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
   kv_local = step.kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-  return _Tile(q_local, kv_local, offsets_ref[0] + q_local, offsets_ref[1] + kv_local)
+  return _Tile(q_local, kv_local, offsets_ref[kernel_table.Q_OFFSET] + q_local,
+               offsets_ref[kernel_table.KV_OFFSET] + kv_local)
 
 
 def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg):
@@ -532,8 +534,8 @@ def _alibi(cfg: _TpuCall, offsets_ref, head, tile: _Tile | None):
   pre-scaled logits (`_unit`: the scalar slope takes the factor), or None."""
   if not cfg.request.has_alibi:
     return None
-  slope = jax.lax.bitcast_convert_type(offsets_ref[2 + head], jnp.float32)
-  return dropout.alibi(slope * _unit(cfg), tile.q_pos, tile.kv_pos)
+  slope = kernel_table.Table.of(cfg.request).slope(offsets_ref, head)
+  return alibi(slope * _unit(cfg), tile.q_pos, tile.kv_pos)
 
 
 def _dropout(cfg: _TpuCall, offsets_ref, batch, head, tile: _Tile | None):
@@ -541,8 +543,7 @@ def _dropout(cfg: _TpuCall, offsets_ref, batch, head, tile: _Tile | None):
   positions with this (batch row, head)'s stream from SMEM."""
   if cfg.request.dropout_rate == 0:
     return None
-  start = 2 + (cfg.request.num_heads if cfg.request.has_alibi else 0)
-  stream = offsets_ref[start + batch * cfg.request.num_heads + head]
+  stream = kernel_table.Table.of(cfg.request).stream(offsets_ref, batch, head)
   kept = dropout.keep(stream, tile.q_pos, tile.kv_pos, cfg.request.dropout_rate)
   return jnp.where(kept, jnp.float32(dropout.keep_scale(cfg.request.dropout_rate)), jnp.float32(0.0))
 

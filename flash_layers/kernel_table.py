@@ -1,0 +1,82 @@
+"""The int32 scalar table both kernel families read: offsets, ALiBi slopes, dropout streams.
+
+The TPU kernel keeps it in SMEM (scalar prefetch), the GPU kernel reads it as a small array. Its
+layout, each part present only when the request uses it:
+
+    [Q_OFFSET]                     global position of query 0 (traced under a ring)
+    [KV_OFFSET]                    global position of key 0
+    [SLOPES + h]                   ALiBi slope of local query head h, as float32 bits
+    [streams + b * heads + h]      dropout stream of local (batch row b, query head h)
+
+A kernel never indexes the table by hand: it reads it through a `Table` made from its request,
+which owns the layout (`build` writes the same layout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from flash_layers import dropout
+
+Q_OFFSET, KV_OFFSET, SLOPES = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Table:
+  """The layout of one call's table, and typed reads of it inside a kernel."""
+
+  num_heads: int
+  has_alibi: bool
+  has_dropout: bool
+
+  @classmethod
+  def of(cls, request) -> Table:
+    return cls(request.num_heads, request.has_alibi, request.has_dropout)
+
+  @property
+  def streams(self) -> int:
+    """Index of the first dropout stream."""
+    return SLOPES + (self.num_heads if self.has_alibi else 0)
+
+  def slope_index(self, head):
+    return SLOPES + head
+
+  def stream_index(self, batch, head):
+    return self.streams + batch * self.num_heads + head
+
+  # Reads (`ref` is the kernel's table: a Pallas ref or an array).
+  def q_offset(self, ref):
+    return ref[Q_OFFSET]
+
+  def kv_offset(self, ref):
+    return ref[KV_OFFSET]
+
+  def slope(self, ref, head):
+    """float32 ALiBi slope of local query head `head`."""
+    return jax.lax.bitcast_convert_type(ref[self.slope_index(head)], jnp.float32)
+
+  def stream(self, ref, batch, head):
+    """int32 dropout stream of local (batch row, query head)."""
+    return ref[self.stream_index(batch, head)]
+
+
+def build(request, args, batch: int) -> jax.Array:
+  """int32 table of one call (module docstring) for `batch` local rows and the request's heads.
+
+  The streams come from `dropout.stream` on global rows and heads (`args.batch_offset`,
+  `args.head_offset`), so a kernel only hashes positions (`dropout.bits`), as the other impls do.
+  """
+  parts = [jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])]
+  if request.has_alibi:
+    parts.append(jax.lax.bitcast_convert_type(args.alibi_slopes.astype(jnp.float32), jnp.int32))
+  if request.has_dropout:
+    if request.dropout_broadcast:
+      b = h = jnp.zeros((batch, request.num_heads), jnp.int32)
+    else:
+      b = args.batch_offset + jnp.arange(batch, dtype=jnp.int32)[:, None]
+      h = args.head_offset + jnp.arange(request.num_heads, dtype=jnp.int32)[None, :]
+    parts.append(dropout.stream(args.dropout_seed, b, h).reshape(-1))
+  return jnp.concatenate(parts)

@@ -1,0 +1,38 @@
+"""The kernels' scalar table: `kernel_table.Table` reads exactly what `kernel_table.build` writes."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import flash_layers as fl
+from flash_layers import dispatch, dropout, kernel_table
+
+
+@pytest.mark.parametrize("alibi,rate", [(False, 0.0), (True, 0.0), (False, 0.2), (True, 0.2)])
+def test_reads_match_what_build_writes(alibi, rate):
+  b, t, h = 3, 16, 4
+  q = jnp.zeros((b, t, h, 8))
+  kwargs = {"alibi_slopes": fl.alibi_slopes(h)} if alibi else {}
+  if rate:
+    kwargs.update(dropout_rate=rate, dropout_rng=jax.random.key(7))
+  request, args = dispatch.prepare(q, q, q, **kwargs)
+  args = dataclasses.replace(args, q_offset=jnp.int32(5), kv_offset=jnp.int32(9), batch_offset=jnp.int32(2),
+                             head_offset=jnp.int32(1))
+  table = kernel_table.build(request, args, b)
+  layout = kernel_table.Table.of(request)
+  assert int(layout.q_offset(table)) == int(args.q_offset)
+  assert int(layout.kv_offset(table)) == int(args.kv_offset)
+  expected_len = 2 + (h if alibi else 0) + (b * h if rate else 0)
+  assert table.shape == (expected_len,)
+  for head in range(h):
+    if alibi:
+      assert float(layout.slope(table, head)) == float(fl.alibi_slopes(h)[head])
+    for row in range(b if rate else 0):
+      want = dropout.stream(args.dropout_seed, args.batch_offset + row, args.head_offset + head)
+      assert int(layout.stream(table, row, head)) == int(want)
+  np.testing.assert_array_equal(np.asarray(table[:2]), [int(args.q_offset), int(args.kv_offset)])
