@@ -35,7 +35,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
               alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
               precision: str | jax.lax.Precision | None = None, block_sizes: Any = None,
-              mesh: Any = None) -> jax.Array:
+              mesh: Any = None, sinks: jax.Array | None = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -67,8 +67,11 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     bias: float, broadcastable to [batch, num_heads, q_len, kv_len], added to the logits;
       differentiable. Served by reference, xla_native, xla_dense and xla_chunked (not
       flash_pallas or jax_splash).
+    sinks: float [num_heads]: attention sinks (as in gpt-oss and StreamingLLM), one logit per
+      head that joins every row's softmax denominator and contributes no value; differentiable.
+      Served by every impl: merged with the impl's output and lse (`dispatch.merge_sinks`).
     Order: logits = scale * q.k + alibi + bias, then softcap, then the mask, softmax in
-      float32, then dropout.
+      float32 (its denominator holding the sinks), then dropout.
     precision: of every matmul (q.k and p.v, and those of the gradient), as in `jnp.dot`:
       "default", "high", "highest" (or jax's aliases "bfloat16", "bfloat16_3x",
       "tensorfloat32", "float32") or a `jax.lax.Precision`. None: "highest" (full float32
@@ -93,7 +96,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
              kv_segment_ids=kv_segment_ids, window=window, scale=scale, softcap=softcap,
              block_sizes=block_sizes, global_tokens=global_tokens, dropout_rate=dropout_rate,
              dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes,
-             bias=bias, precision=precision)
+             bias=bias, precision=precision, sinks=sinks)
 
 
 def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO, mesh: Any = None,
@@ -106,15 +109,19 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
   """
   dispatch.check_impl(impl)
   query, key, value = dispatch.as_qkv(query, key, value)
+  sinks = options.pop("sinks", None)
   request, args = prepare(query, key, value, **options)
+  sinks = dispatch.check_sinks(sinks, request.num_heads)
   mesh = sharded.resolve_mesh(mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
   if options.get("block_sizes") == AUTOTUNE:  # tune what each device runs, unless the cache has it
     tuner.ensure_tuned(impl, request if plan is None else plan.local)
   if plan is not None:
-    out, _ = sharded.sharded_attend(query, key, value, impl=impl, request=request, args=args, plan=plan)
-    return out
-  out, _ = attend(query, key, value, impl=impl, request=request, args=args)
+    out, lse = sharded.sharded_attend(query, key, value, impl=impl, request=request, args=args, plan=plan)
+  else:
+    out, lse = attend(query, key, value, impl=impl, request=request, args=args)
+  if sinks is not None:
+    out, _ = dispatch.merge_sinks(out, lse, sinks)
   return out
 
 
@@ -131,6 +138,7 @@ class Explanation:
   grid_steps: int | None = None  # kernel grid steps of the forward pass (TPU kernels), if known
   tuning: str = "default"  # where the configuration came from: "tuned (cache hit)", "shipped", "default"
   block_sizes: Any = None  # the tuned block sizes the impl runs with (None: its defaults)
+  sinks: bool = False  # attention sinks, merged with the impl's (out, lse) after it runs
 
   @property
   def block_fraction(self) -> float | None:
@@ -150,6 +158,8 @@ class Explanation:
     text += f"; configuration: {self.tuning}"
     if self.block_sizes is not None:
       text += f" {self.block_sizes}"
+    if self.sinks:
+      text += "; sinks merged into the output and lse after the impl"
     return text
 
 
@@ -163,7 +173,9 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   """
   dispatch.check_impl(impl)
   query, key, value = dispatch.as_qkv(query, key, value)
+  sinks = kwargs.pop("sinks", None)
   request, args = prepare(query, key, value, **kwargs)
+  sinks = dispatch.check_sinks(sinks, request.num_heads)
   here = lowering.default_platform()
   mesh = sharded.resolve_mesh(mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
@@ -178,4 +190,4 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   steps = chosen.grid_steps(request, args, here) if registry.impl_has(name, "grid_steps") else None
   sharding = None if plan is None else plan.describe(request)
   return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps, source,
-                     local.block_sizes if source != "default" else None)
+                     local.block_sizes if source != "default" else None, sinks is not None)

@@ -192,6 +192,38 @@ def _check_alibi(slopes, num_heads):
   return jnp.asarray(slopes, jnp.float32)
 
 
+def check_sinks(sinks, num_heads: int):
+  """`sinks` as float32 [num_heads] (or a ShapeDtypeStruct for explain), or None."""
+  if sinks is None:
+    return None
+  if isinstance(sinks, (list, tuple)):
+    sinks = np.asarray(sinks)
+  sinks = as_array("sinks", sinks)
+  if not jnp.issubdtype(sinks.dtype, jnp.floating) or tuple(sinks.shape) != (num_heads,):
+    raise ValueError(f"sinks must be a float array [num_heads]=({num_heads},) of logits; "
+                     f"got {_shape_str(sinks)}")
+  if isinstance(sinks, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((num_heads,), jnp.float32)
+  return jnp.asarray(sinks, jnp.float32)
+
+
+def merge_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(out, lse) of a call with attention sinks, from the impl's (out, lse) without them.
+
+  A sink is a logit per head that joins every row's softmax denominator and carries no value:
+  lse' = logaddexp(lse, sink[h]) and every probability shrinks by exp(lse - lse'), so
+  out' = out * exp(lse - lse'). Exact for every impl (each returns a differentiable lse), on
+  any mesh (applied once, after a ring has merged its shards), with dropout (the normaliser is
+  taken before dropout). A row that sees no key keeps out = 0 (its lse was -inf). Gradients
+  reach q, k, v through (out, lse) and the sinks through lse'.
+  out [b, q, h, dv] (any float dtype), lse [b, h, q] float32, sinks [h] float32.
+  """
+  merged = jnp.logaddexp(lse, sinks[None, :, None])
+  factor = jnp.exp(lse - merged)  # [b, h, q]; 0 where lse = -inf
+  out = (out.astype(jnp.float32) * jnp.swapaxes(factor, 1, 2)[..., None]).astype(out.dtype)
+  return out, merged
+
+
 def _check_bias(bias, shape):
   if bias is None:
     return None

@@ -45,7 +45,7 @@ class MultiHeadAttention(hk.Module):
                param_dtype: Any = jnp.float32, use_bias: bool = True,
                kernel_init: Callable | None = None, bias_init: Callable | None = None,
                precision: Any = None, dropout_rate: float = 0.0, alibi: Any = False,
-               name: str | None = None):
+               use_sinks: bool = False, sinks_init: Callable | None = None, name: str | None = None):
     super().__init__(name=name)
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -68,6 +68,8 @@ class MultiHeadAttention(hk.Module):
     self.precision = precision
     self.dropout_rate = dropout_rate
     self.alibi = alibi
+    self.use_sinks = use_sinks
+    self.sinks_init = sinks_init or jnp.zeros
     layers.check_fields(self)
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
@@ -89,7 +91,9 @@ class MultiHeadAttention(hk.Module):
     value = _dense(self, "value", inputs_kv, (kv_features, dims.num_kv_heads, dims.head_dim_v), 1)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     dropout_rng = hk.next_rng_key() if layers.needs_dropout_rng(self, deterministic) else None
-    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
+    sinks = (hk.get_parameter("sinks", (self.num_heads,), jnp.float32, init=self.sinks_init)
+             if self.use_sinks else None)
+    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks)
     return _dense(self, "out", out, (dims.num_heads, dims.head_dim_v, dims.out_features), 2)
 
 
@@ -130,4 +134,7 @@ def params_from_flax(flax_params: Mapping[str, Any], name: str = "multi_head_att
   if missing:
     raise ValueError(f"flax_params lacks {missing}; expected the params of fl.MultiHeadAttention "
                      f"(modules {list(_PROJECTIONS)})")
-  return {f"{name}/{p}": dict(params[p]) for p in _PROJECTIONS}
+  out = {f"{name}/{p}": dict(params[p]) for p in _PROJECTIONS}
+  if "sinks" in params:  # use_sinks: the layer's own parameter
+    out[name] = {"sinks": params["sinks"]}
+  return out

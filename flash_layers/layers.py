@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import api, dispatch, dropout, rotary
+from flash_layers import alibi, api, dispatch, rotary
 from flash_layers.impls import UnsupportedError
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
@@ -61,6 +61,8 @@ def check_fields(layer) -> None:
   if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 <= rate < 1:
     raise ValueError(f"dropout_rate must be a float in [0, 1); got {rate!r}")
   _check_alibi(layer.alibi, layer.num_heads)
+  if not isinstance(getattr(layer, "use_sinks", False), bool):
+    raise TypeError(f"use_sinks must be a bool; got {layer.use_sinks!r}")
   dispatch.normalize_precision(layer.precision)
   rotary.check_theta(getattr(layer, "rope_theta", None))
 
@@ -79,7 +81,7 @@ def alibi_slopes(layer) -> jax.Array | None:
   if layer.alibi is None or layer.alibi is False:
     return None
   if layer.alibi is True:
-    return dropout.alibi_slopes(layer.num_heads)
+    return alibi.alibi_slopes(layer.num_heads)
   return jnp.asarray(layer.alibi, jnp.float32)
 
 
@@ -152,8 +154,9 @@ def rotate_heads(layer, query, key, positions, kv_positions, self_attention: boo
   return rotate(query, positions, "positions"), rotate(key, kv_positions, "kv_positions")
 
 
-def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None):
-  """`fl.attention` with the layer's attention fields; dropout applies when given a key."""
+def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None):
+  """`fl.attention` with the layer's attention fields; dropout applies when given a key; `sinks`:
+  the layer's sink logits [num_heads] (use_sinks) or None."""
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                        window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
@@ -161,7 +164,7 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_
                        dropout_rate=layer.dropout_rate if dropout_rng is not None else 0.0,
                        dropout_rng=dropout_rng, alibi_slopes=alibi_slopes(layer),
                        precision=layer.precision,
-                       block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None))
+                       block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None), sinks=sinks)
 
 
 # ----------------------------------------------------------------------------
@@ -247,6 +250,9 @@ class MultiHeadAttention(nn.Module):
       the same under every impl and mesh. xla_native does not serve it.
     alibi: ALiBi position bias: True for the standard slopes (`fl.alibi_slopes(num_heads)`),
       or float slopes [num_heads]; False/None for none.
+    use_sinks: the layer owns a "sinks" parameter [num_heads] (float32 logits, `fl.attention`'s
+      `sinks`: they join every row's softmax denominator), initialised by `sinks_init` (zeros:
+      each head starts with a sink of logit 0).
   """
 
   num_heads: int
@@ -271,6 +277,8 @@ class MultiHeadAttention(nn.Module):
   precision: Any = None
   dropout_rate: float = 0.0
   alibi: Any = False
+  use_sinks: bool = False
+  sinks_init: Callable = nn.initializers.zeros_init()
 
   def __post_init__(self):
     check_fields(self)
@@ -309,7 +317,9 @@ class MultiHeadAttention(nn.Module):
                         KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
     query, key = rotate_heads(self, query, key, positions, kv_positions, self_attention)
     dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
-    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
+    sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
+             else None)
+    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
 
 

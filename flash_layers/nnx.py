@@ -32,6 +32,7 @@ _PROJECTIONS = ("query", "key", "value", "out")
 # The linen layer's defaults (flax's DenseGeneral's).
 _KERNEL_INIT = nn.initializers.lecun_normal()
 _BIAS_INIT = nn.initializers.zeros_init()
+_SINKS_INIT = nn.initializers.zeros_init()
 
 
 def _metadata(axes: tuple[str, ...]) -> dict:
@@ -61,7 +62,7 @@ class MultiHeadAttention(nnx.Module):
                kernel_init: Callable = _KERNEL_INIT,
                bias_init: Callable = _BIAS_INIT, precision: Any = None,
                dropout_rate: float = 0.0, alibi: Any = False, deterministic: bool = True,
-               rngs: nnx.Rngs):
+               use_sinks: bool = False, sinks_init: Callable = _SINKS_INIT, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -80,6 +81,7 @@ class MultiHeadAttention(nnx.Module):
     self.alibi = alibi
     self.deterministic = deterministic
     self.precision = precision  # the projections' and the attention's
+    self.use_sinks = use_sinks
     layers.check_fields(self)
     if alibi is not None and not isinstance(alibi, bool):
       # Static data, not an array attribute (which NNX would treat as state).
@@ -103,6 +105,8 @@ class MultiHeadAttention(nnx.Module):
     self.value = dense(self.in_kv_features, (dims.num_kv_heads, dims.head_dim_v), kv_axes, kv_axes[1:])
     self.out = dense((dims.num_heads, dims.head_dim_v), dims.out_features, layers.OUT_KERNEL_AXES,
                      layers.OUT_BIAS_AXES, axis=(-2, -1))
+    # As the linen layer's "sinks" param: float32 [num_heads] sink logits (fl.attention's `sinks`).
+    self.sinks = nnx.Param(sinks_init(rngs.params(), (dims.num_heads,), jnp.float32)) if use_sinks else None
     self.rngs = nnx.data(None)
     if dropout_rate and ("dropout" in rngs or "default" in rngs):
       self.rngs = rngs["dropout"].fork()
@@ -138,7 +142,8 @@ class MultiHeadAttention(nnx.Module):
     dropout_rng = self._dropout_key(rngs) if layers.needs_dropout_rng(self, deterministic) else None
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
-    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng)
+    sinks = None if self.sinks is None else self.sinks[...]
+    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks)
     return self.out(out)
 
   def _dropout_key(self, rngs) -> jax.Array:
@@ -168,10 +173,16 @@ def params_from_linen(linen_params: Mapping[str, Any]) -> dict:
   if missing:
     raise ValueError(f"linen_params lacks {missing}; expected the params of fl.MultiHeadAttention "
                      f"(modules {list(_PROJECTIONS)})")
-  return {p: dict(params[p]) for p in _PROJECTIONS}
+  state = {p: dict(params[p]) for p in _PROJECTIONS}
+  if "sinks" in params:
+    state["sinks"] = params["sinks"]
+  return state
 
 
 def params_to_linen(layer: MultiHeadAttention) -> dict:
   """The linen layer's variables `{"params": {...}}` holding this NNX layer's weights."""
   pure = nnx.state(layer, nnx.Param).to_pure_dict()
-  return {"params": {p: dict(pure[p]) for p in _PROJECTIONS}}
+  params = {p: dict(pure[p]) for p in _PROJECTIONS}
+  if "sinks" in pure:
+    params["sinks"] = pure["sinks"]
+  return {"params": params}

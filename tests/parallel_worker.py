@@ -38,8 +38,9 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
   window_mqa: a (5, 2) window, one kv head, no causal mask (the contiguous ring layout).
   uneven_gqa: 6 heads on 3 kv heads, so 2 tensor shards' heads straddle kv groups.
   explicit_mqa: causal_packed_gqa with one kv head, on a mesh with Explicit axis types.
-  dropout_alibi: causal_packed_gqa with dropout (rate 0.3) and ALiBi: the mask hashes global
-    batch rows, heads and positions, so every mesh must give the unsharded result.
+  dropout_alibi: causal_packed_gqa with dropout (rate 0.3), ALiBi and attention sinks: the mask
+    hashes global batch rows, heads and positions, so every mesh must give the unsharded result;
+    the sinks join each row's denominator once, after a ring has merged its shards.
   bias_heads: a dense bias [batch, heads, q, kv], split with q over data and tensor.
   global_window_packed: a (5, 2) window with 2 global tokens per packed document: the encoded
     segment ids (global flag in the lowest bit) rotate around the ring.
@@ -69,7 +70,8 @@ def problem(case: str, batch=8, length=64, head_dim=16, seed=0):
   kv_seg = np.where(seg == 2, 7, seg)
   kwargs = {"causal": True, "segment_ids": jnp.asarray(seg), "kv_segment_ids": jnp.asarray(kv_seg)}
   if case == "dropout_alibi":
-    kwargs.update(dropout_rate=0.3, dropout_rng=jax.random.key(11), alibi_slopes=fl.alibi_slopes(heads))
+    kwargs.update(dropout_rate=0.3, dropout_rng=jax.random.key(11), alibi_slopes=fl.alibi_slopes(heads),
+                  sinks=jnp.asarray(rng.standard_normal(heads) + 1.0, jnp.float32))
   return q, k, v, kwargs
 
 

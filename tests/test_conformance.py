@@ -79,7 +79,7 @@ BF16_CONFIGS = (
     "window_empty_rows_cross", "softcap_causal_gqa_packed", "scale_large_causal",
     "global_causal_window_packed_batch3", "global_cross_packed", "dropout05_packed_gqa_batch2",
     "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
-    "bias_full_dropout_causal_batch2", "bias_shared_cross_packed_alibi")
+    "bias_full_dropout_causal_batch2", "bias_shared_cross_packed_alibi", "sinks_orphans_causal_gqa_batch2")
 
 # Our interpreted kernels (seconds per configuration) run bfloat16 on fewer of them, which still
 # hold every feature they serve: tails, several blocks, GQA/MQA, batch, cross lengths, packed
@@ -88,7 +88,8 @@ BF16_CONFIGS = (
 INTERPRETED_BF16 = (
     "len7_mqa", "len333_causal_h8_kv2", "cross_packed_batch3", "d80", "dv128_d32_causal_gqa",
     "orphan_rows_cross_causal", "causal_window_packed_batch3", "softcap_causal_gqa_packed",
-    "global_cross_packed", "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window")
+    "global_cross_packed", "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
+    "sinks_orphans_causal_gqa_batch2")
 
 F32_TOL = 1e-5
 BF16_FLOOR = 2e-3
@@ -121,6 +122,7 @@ class Config:
   alibi: bool = False
   bias: tuple[bool, bool, bool, bool] | None = None  # which of [b, h, t, s] the bias has (else 1)
   global_tokens: int = 0
+  sinks: bool = False  # a random float32 [heads] of sink logits (differentiated too)
 
   @property
   def s(self) -> int:
@@ -148,6 +150,8 @@ class Config:
       used.add("alibi")
     if self.global_tokens:
       used.add("global tokens")
+    if self.sinks:
+      used.add("sinks")
     return used
 
 
@@ -221,6 +225,14 @@ CONFIGS = [
            bias=(True, True, True, True)),
     Config("bias_shared_cross_packed_alibi", q_len=24, kv_len=40, heads=4, kv_heads=2, segments="packed",
            alibi=True, bias=(False, False, True, True)),
+    # Attention sinks: rows that see no key (they keep 0), GQA, batch; with dropout, ALiBi, a
+    # softcap and a window on cross lengths; with a dense bias.
+    Config("sinks_orphans_causal_gqa_batch2", q_len=72, batch=2, heads=4, kv_heads=2, causal=True,
+           segments="orphans", sinks=True),
+    Config("sinks_dropout_alibi_softcap_window_cross", q_len=40, kv_len=56, heads=2, window=(8, 3),
+           softcap=3.0, input_scale=2.0, alibi=True, dropout=0.1, sinks=True),
+    Config("sinks_bias_packed", q_len=48, heads=2, segments="packed", bias=(False, True, True, True),
+           sinks=True),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -266,6 +278,7 @@ class Problem:
   seg: dict  # numpy int32 segment ids
   expected: dict  # float64 out, lse, dq, dk, dv (dbias), visible_rows
   bias: np.ndarray | None = None  # float32, rank 4
+  sinks: np.ndarray | None = None  # float32 [heads]
 
   @property
   def kwargs(self) -> dict:
@@ -306,11 +319,12 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
   if cfg.dropout:
     keep = np.asarray(fl.dropout_mask(dropout_key(cfg, seed), batch=b, num_heads=h, q_len=t, kv_len=s,
                                       rate=cfg.dropout, broadcast=cfg.dropout_broadcast))
+  sinks = rng.standard_normal(h).astype(np.float32) + 1.0 if cfg.sinks else None
   expected = reference64.attention(
       q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap, bias=bias,
       alibi_slopes=np.asarray(fl.alibi_slopes(h)) if cfg.alibi else None, keep=keep, rate=cfg.dropout,
-      dout=dout)
-  return Problem(cfg, dtype, seed, arrays, seg, expected, bias)
+      dout=dout, sinks=sinks)
+  return Problem(cfg, dtype, seed, arrays, seg, expected, bias, sinks)
 
 
 def _interpret(platform):
@@ -322,22 +336,25 @@ def run_case(case, problem: Problem) -> dict:
   impl, platform = case
   kwargs = problem.kwargs
 
-  def fwd_bwd(q, k, v, dout, seg, bias):
-    def f(q, k, v, bias):
-      return fl.attention(q, k, v, impl=impl, **seg, **kwargs, bias=bias)
+  def fwd_bwd(q, k, v, dout, seg, bias, sinks):
+    def f(q, k, v, bias, sinks):
+      return fl.attention(q, k, v, impl=impl, **seg, **kwargs, bias=bias, sinks=sinks)
 
-    out, vjp = jax.vjp(f, q, k, v, bias)
-    dq, dk, dv, dbias = vjp(dout)
+    out, vjp = jax.vjp(f, q, k, v, bias, sinks)
+    dq, dk, dv, dbias, dsinks = vjp(dout)
     result = {"out": out, "dq": dq, "dk": dk, "dv": dv}
     if bias is not None:
       result["dbias"] = dbias
+    if sinks is not None:
+      result["dsinks"] = dsinks
     return result
 
   arrays = [jnp.asarray(a, problem.dtype) for a in problem.inputs]
   seg = {name: jnp.asarray(ids) for name, ids in problem.seg.items()}
   bias = None if problem.bias is None else jnp.asarray(problem.bias)
+  sinks = None if problem.sinks is None else jnp.asarray(problem.sinks)
   with _interpret(platform):
-    result = jax.jit(fwd_bwd)(*arrays, seg, bias)
+    result = jax.jit(fwd_bwd)(*arrays, seg, bias, sinks)
   return {name: np.asarray(x.astype(jnp.float32), np.float64) for name, x in result.items()}
 
 
@@ -348,7 +365,7 @@ def relative_errors(actual: dict, expected: dict) -> dict[str, tuple[float, tupl
   output that cancels to ~0 is not judged relative to ~0.
   """
   errors = {}
-  for name in ("out", *GRADS, *(("dbias",) if "dbias" in actual else ())):
+  for name in ("out", *GRADS, *(n for n in ("dbias", "dsinks") if n in actual)):
     expect, magnitude = expected[name], expected["magnitude"][name]
     if name == "dbias":  # the oracle's [b, h, t, s], summed over the bias's broadcast axes
       axes = tuple(i for i in range(4) if actual[name].shape[i] == 1 and expect.shape[i] != 1)
@@ -488,7 +505,7 @@ def random_configs(draw):
       head_dim_v=draw(st.sampled_from([head_dim, head_dim, 32])), causal=draw(st.booleans()),
       window=window, segments=draw(st.sampled_from([None, "packed", "orphans"])),
       softcap=draw(st.sampled_from([None, None, 4.0])),
-      scale=draw(st.sampled_from([None, None, 0.3])), input_scale=1.5)
+      scale=draw(st.sampled_from([None, None, 0.3])), input_scale=1.5, sinks=draw(st.booleans()))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in SUBSETS and c[1] is None], ids=_case_id)

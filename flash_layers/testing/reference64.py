@@ -67,11 +67,13 @@ def mask(batch, q_len, kv_len, *, causal=False, window=None, segment_ids=None,
 
 
 def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_slopes=None,
-              keep=None, rate=0.0, q_offset=0, kv_offset=0, dout=None, dlse=None):
+              keep=None, rate=0.0, q_offset=0, kv_offset=0, dout=None, dlse=None, sinks=None):
   """q [b, t, h, d], k [b, s, kvh, d], v [b, s, kvh, dv]; visible broadcastable to [b, h, t, s].
 
   bias: broadcastable to [b, h, t, s]; alibi_slopes: [h] (positions q_offset + i, kv_offset + j);
   keep: the dropout keep mask (bool, broadcastable to [b, h, t, s]) applied with `rate`.
+  sinks: [h] logits that join each row's softmax denominator with no value (attention sinks);
+  then also dsinks.
   Returns a dict with out [b, t, h, dv], lse [b, h, t] and, when dout is given,
   dq, dk, dv (and dbias [b, h, t, s] with a bias) (all float64). Rows that see no key:
   out 0, lse -inf, gradients 0.
@@ -99,15 +101,18 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_sl
     logits = x
   vis = np.broadcast_to(visible, logits.shape)
   row_max = np.where(vis, logits, -np.inf).max(-1, keepdims=True)
+  sink = None if sinks is None else np.asarray(sinks, np.float64)[None, :, None, None]  # [1, h, 1, 1]
+  if sink is not None:
+    row_max = np.maximum(row_max, sink)
   row_max = np.where(np.isfinite(row_max), row_max, 0.0)
   e = np.where(vis, np.exp(np.where(vis, logits, 0.0) - row_max), 0.0)
-  z = e.sum(-1, keepdims=True)
-  has_key = z > 0
-  p = e / np.where(has_key, z, 1.0)
+  has_key = e.sum(-1, keepdims=True) > 0
+  z = e.sum(-1, keepdims=True) + (0.0 if sink is None else np.exp(sink - row_max))
+  p = e / np.where(z > 0, z, 1.0)
   m = 1.0 if keep is None else np.broadcast_to(keep, p.shape) / (1.0 - rate)
   pm = p * m
   out = np.einsum("bhts,bshv->bthv", pm, v_rep)
-  lse = np.where(has_key, row_max + np.log(np.where(has_key, z, 1.0)), -np.inf)[..., 0]
+  lse = np.where(z > 0, row_max + np.log(np.where(z > 0, z, 1.0)), -np.inf)[..., 0]
   result = {"out": out, "lse": lse, "visible_rows": has_key[..., 0],
             "magnitude": {"out": np.einsum("bhts,bshv->bthv", pm, np.abs(v_rep)).max(initial=0.0)}}
   if dout is None:
@@ -120,6 +125,10 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_sl
   if dlse is not None:
     row_dot = row_dot - np.asarray(dlse, dtype=np.float64)[..., None]
   ds = p * (dp - row_dot)
+  if sink is not None:  # d out / d sink = -p_sink * out, d lse / d sink = p_sink
+    p_sink = np.exp(sink[..., 0] - lse)  # [b, h, t]
+    result["dsinks"] = -(p_sink * row_dot[..., 0]).sum((0, 2))
+    result["magnitude"]["dsinks"] = (p_sink * np.abs(row_dot[..., 0])).sum((0, 2)).max(initial=0.0)
   if tanh is not None:
     ds = ds * (1.0 - tanh * tanh)
   if bias is not None:
