@@ -41,3 +41,33 @@ _TUNING_DIR = tempfile.mkdtemp(prefix="fl-tuning-")
 atexit.register(shutil.rmtree, _TUNING_DIR, True)
 os.environ["FLASH_LAYERS_TUNING_DIR"] = _TUNING_DIR
 os.environ["FLASH_LAYERS_TUNING_SHIPPED"] = "0"
+
+
+# Scheduling only: the longest tests start first, so that `pytest -n 2` does not end with one
+# worker running a minute-long test while the other idles. Seconds as measured on the 2-core CI VM
+# under -n 2 (`--durations`); a stale figure changes the order, never a result. Tests that share an
+# expensive module fixture (test_training's reference_run) stay in file order with their module.
+LONG_TESTS = {
+    "tests/test_parallel.py::test_sharded_equals_unsharded[flash_pallas]": 120,
+    "tests/test_training.py::test_four_device_checkpoint_restores_on_two_devices": 87,
+    "tests/test_training.py::test_pod_dry_run_compiles_for_two_v5p_2x2x2_slices": 85,
+    "tests/test_training.py::test_two_processes_reach_the_loss_of_one": 83,
+    "tests/test_tpu_strict.py::test_tpu_kernels_conform_under_the_strict_interpreter"
+    "[strict_causal_packed_gqa_d128_alibi]": 80,
+    "tests/test_bench.py::test_quick_grid_writes_every_cell_json_and_plots": 78,
+    "tests/test_training.py::test_long_docs_config_smoke_trains_on_one_cpu_device": 73,
+    "tests/test_parallel.py::test_sharded_equals_unsharded[xla_chunked]": 70,
+    "tests/test_memory.py::test_training_memory_plateaus": 69,
+    "tests/test_masks.py::test_block_map_matches_brute_force": 50,
+    "tests/test_tpu_strict.py::test_tpu_kernels_conform_under_the_strict_interpreter"
+    "[strict_window_dropout_packed_gqa]": 48,
+    "tests/test_parallel.py::test_sharded_equals_unsharded[reference]": 41,
+    "tests/test_conformance.py::test_interpreted_cases_on_random_configs[flash_pallas-tpu]": 35,
+    "tests/test_tpu_check.py::test_dry_run_checks_times_and_reports": 35,
+    "tests/test_parallel.py::test_multiprocess_sharded_and_ring_agree_with_single_process": 34,
+    "tests/test_tpu_aot.py::test_float32_head_dim_256_fits_the_generations_vmem[v6e]": 34,
+}
+
+
+def pytest_collection_modifyitems(config, items):
+  items.sort(key=lambda item: -LONG_TESTS.get(item.nodeid, 0))  # stable: the rest keep their order
