@@ -111,10 +111,12 @@ PLAN_CASES = ("uneven_gqa", "explicit_mqa", "bias_heads")
 
 # The other impls: causal_packed_gqa on the three meshes that hold every axis (data x tensor,
 # tensor x ring, fsdp x ring) instead of five. flash_pallas runs interpreted (seconds per
-# compiled program, proportional to the batch): a batch of 4, and one mesh per other case, the
+# compiled program, proportional to the batch): a batch of 4, causal_packed_gqa on data x tensor
+# and tensor x ring (its dropout_alibi case runs fsdp x ring), and one mesh per other case, the
 # one with a ring.
 THREE_MESHES = {"causal_packed_gqa": ((2, 1, 4, 1), (1, 1, 2, 4), (1, 2, 1, 4))}
-INTERPRETED_MESHES = {"dropout_alibi": ((1, 2, 1, 4),), "window_mqa": ((1, 1, 2, 4),)}
+INTERPRETED_MESHES = {"causal_packed_gqa": ((2, 1, 4, 1), (1, 1, 2, 4)), "dropout_alibi": ((1, 2, 1, 4),),
+                      "window_mqa": ((1, 1, 2, 4),)}
 
 
 def cases_for(impl: str) -> dict:

@@ -110,7 +110,7 @@ def check_index_lists(visible, index, count):
       assert np.all(index[row][len(cols):] == cols[-1])
 
 
-@hypothesis.settings(max_examples=15, deadline=None)
+@hypothesis.settings(max_examples=10, deadline=None)
 @hypothesis.given(problems())
 def test_block_map_matches_brute_force(p):
   check_block_map(p)
