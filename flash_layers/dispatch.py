@@ -179,32 +179,29 @@ def _check_dropout(rate, rng, broadcast):
   return rate, dropout.seed_words(rng), broadcast
 
 
-def _check_alibi(slopes, num_heads):
-  if slopes is None:
+def _per_head_floats(name: str, x, num_heads: int, what: str):
+  """`x` as float32 [num_heads] (a ShapeDtypeStruct stays abstract, for explain), or None; else a
+  ValueError naming `name` and saying `what` it holds."""
+  if x is None:
     return None
-  if isinstance(slopes, (list, tuple)):
-    slopes = np.asarray(slopes)
-  slopes = as_array("alibi_slopes", slopes)
-  if not jnp.issubdtype(slopes.dtype, jnp.floating) or tuple(slopes.shape) != (num_heads,):
-    raise ValueError(f"alibi_slopes must be a float array [num_heads]=({num_heads},) "
-                     f"(flash_layers.alibi_slopes({num_heads}) gives the standard ones); "
-                     f"got {_shape_str(slopes)}")
-  return jnp.asarray(slopes, jnp.float32)
+  if isinstance(x, (list, tuple)):
+    x = np.asarray(x)
+  x = as_array(name, x)
+  if not jnp.issubdtype(x.dtype, jnp.floating) or tuple(x.shape) != (num_heads,):
+    raise ValueError(f"{name} must be a float array [num_heads]=({num_heads},) {what}; got {_shape_str(x)}")
+  if isinstance(x, jax.ShapeDtypeStruct):
+    return jax.ShapeDtypeStruct((num_heads,), jnp.float32)
+  return jnp.asarray(x, jnp.float32)
+
+
+def _check_alibi(slopes, num_heads):
+  return _per_head_floats("alibi_slopes", slopes, num_heads,
+                          f"(flash_layers.alibi_slopes({num_heads}) gives the standard ones)")
 
 
 def check_sinks(sinks, num_heads: int):
   """`sinks` as float32 [num_heads] (or a ShapeDtypeStruct for explain), or None."""
-  if sinks is None:
-    return None
-  if isinstance(sinks, (list, tuple)):
-    sinks = np.asarray(sinks)
-  sinks = as_array("sinks", sinks)
-  if not jnp.issubdtype(sinks.dtype, jnp.floating) or tuple(sinks.shape) != (num_heads,):
-    raise ValueError(f"sinks must be a float array [num_heads]=({num_heads},) of logits; "
-                     f"got {_shape_str(sinks)}")
-  if isinstance(sinks, jax.ShapeDtypeStruct):
-    return jax.ShapeDtypeStruct((num_heads,), jnp.float32)
-  return jnp.asarray(sinks, jnp.float32)
+  return _per_head_floats("sinks", sinks, num_heads, "of logits")
 
 
 def merge_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array) -> tuple[jax.Array, jax.Array]:

@@ -47,13 +47,8 @@ class Table:
   def stream_index(self, batch, head):
     return self.streams + batch * self.num_heads + head
 
-  # Reads (`ref` is the kernel's table: a Pallas ref or an array).
-  def q_offset(self, ref):
-    return ref[Q_OFFSET]
-
-  def kv_offset(self, ref):
-    return ref[KV_OFFSET]
-
+  # Reads (`ref` is the kernel's table: a Pallas ref or an array); the offsets are ref[Q_OFFSET]
+  # and ref[KV_OFFSET], whatever else the table holds.
   def slope(self, ref, head):
     """float32 ALiBi slope of local query head `head`."""
     return jax.lax.bitcast_convert_type(ref[self.slope_index(head)], jnp.float32)

@@ -98,6 +98,8 @@ def test_explain_reports_sinks_and_bad_sinks_are_refused_by_name():
   q = jnp.zeros((1, 16, 4, 8))
   assert "sinks" in str(fl.explain(q, q, q, sinks=jnp.zeros(4)))
   assert "sinks" not in str(fl.explain(q, q, q))
+  abstract = jax.ShapeDtypeStruct((4,), jnp.float32)  # explain takes abstract per-head arrays too
+  assert fl.explain(q, q, q, sinks=abstract, alibi_slopes=abstract).sinks
   for bad in (jnp.zeros(3), jnp.zeros((1, 4)), jnp.zeros(4, jnp.int32)):
     with pytest.raises(ValueError, match="sinks must be a float array"):
       fl.attention(q, q, q, sinks=bad)

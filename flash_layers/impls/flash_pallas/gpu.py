@@ -218,14 +218,13 @@ def _positions(st: _GpuCall, offsets_ref, q_block, kv_block, block_q, block_kv):
   """Global positions of a tile: q [block_q, 1], kv [1, block_kv] (None when unused)."""
   if not (st.request.has_alibi or st.request.has_dropout):
     return None
-  table = kernel_table.Table.of(st.request)
-  q_pos = table.q_offset(offsets_ref) + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  kv_pos = table.kv_offset(offsets_ref) + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+  q_pos = offsets_ref[kernel_table.Q_OFFSET] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  kv_pos = offsets_ref[kernel_table.KV_OFFSET] + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
   return q_pos[:, None], kv_pos[None, :]
 
 
 def _alibi(st: _GpuCall, offsets_ref, head, positions):
-  """The ALiBi term of a tile (slope bits from the offsets table), or None."""
+  """The ALiBi term of a tile (slope bits from the kernel table), or None."""
   if not st.request.has_alibi:
     return None
   return alibi(kernel_table.Table.of(st.request).slope(offsets_ref, head), *positions)
@@ -670,8 +669,7 @@ _flash.defvjp(_flash_forward, _flash_backward)
 
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   st = _GpuCall(request=request, cfg=gpu_config.config(request), interpret=bool(interpret))
-  # [q_offset, kv_offset, alibi slopes, dropout streams]
-  return st, kernel_table.build(request, args, batch)
+  return st, kernel_table.build(request, args, batch)  # offsets, slopes, streams (kernel_table)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):

@@ -173,7 +173,7 @@ def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   cfg = _config(request, args, interpret)
   q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
-  # offsets: [q_offset, kv_offset, alibi slopes, dropout streams], in SMEM.
+  # Offsets, ALiBi slopes and dropout streams (kernel_table), in SMEM.
   return cfg, q_pad, kv_pad, kernel_table.build(request, args, batch)
 
 
