@@ -10,6 +10,7 @@ from flash_layers import host as _host
 # Before jax starts a backend: on a CPU-only host with libtpu installed, the CPU, quietly.
 _host.default_to_cpu_without_accelerator()
 
+from flash_layers import masks  # noqa: E402  (fl.masks.causal(), ...: named mask_mods)
 from flash_layers.alibi import alibi_slopes  # noqa: E402
 from flash_layers.api import Explanation, attention, explain  # noqa: E402
 from flash_layers.dropout import dropout_mask  # noqa: E402
@@ -22,5 +23,5 @@ from flash_layers.tuning.tuner import autotune  # noqa: E402
 
 __all__ = ["IMPLS", "LOGICAL_RULES", "BlockSizes", "CpuBlockSizes", "Explanation", "GpuBlockSizes",
            "MultiHeadAttention", "UnsupportedError", "alibi_slopes", "attention", "attention_fn", "autotune",
-           "dropout_mask", "explain", "interpret_as", "make_mesh"]
+           "dropout_mask", "explain", "interpret_as", "make_mesh", "masks"]
 __version__ = "0.1.0"

@@ -9,13 +9,14 @@ dense mask), so flax's own attention modules shard exactly as `attention` does.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from flash_layers import dispatch, lowering
+from flash_layers import dispatch, lowering, mods
 from flash_layers.dispatch import AUTO, attend, choose, prepare
-from flash_layers.impls import REGISTRY, registry
+from flash_layers.impls import REGISTRY, UnsupportedError, registry
 from flash_layers.parallel import sharded
 from flash_layers.tuning import tuner
 from flash_layers.tuning.cache import AUTOTUNE
@@ -35,7 +36,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               dropout_rng: jax.Array | None = None, dropout_broadcast: bool = False,
               alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
               precision: str | jax.lax.Precision | None = None, block_sizes: Any = None,
-              mesh: Any = None, sinks: jax.Array | None = None) -> jax.Array:
+              mesh: Any = None, sinks: jax.Array | None = None, mask_mod: Callable | None = None,
+              score_mod: Callable | None = None, mod_operands: tuple | None = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -70,8 +72,20 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     sinks: float [num_heads]: attention sinks (as in gpt-oss and StreamingLLM), one logit per
       head that joins every row's softmax denominator and contributes no value; differentiable.
       Served by every impl: merged with the impl's output and lse (`dispatch.merge_sinks`).
-    Order: logits = scale * q.k + alibi + bias, then softcap, then the mask, softmax in
-      float32 (its denominator holding the sinks), then dropout.
+    mask_mod: ``(b, h, q_idx, kv_idx, *mod_operands) -> bool``, an elementwise jnp function of
+      global int32 indices (broadcastable arrays): the key is visible only where it is True (and the
+      built-in rules allow it). Tiles it hides entirely are skipped. `flash_layers.masks` has named
+      ones (causal, sliding window, document, prefix-LM, chunked causal, ...). Not served by
+      flash_pallas or jax_splash yet (UnsupportedError names the impls that serve it).
+    score_mod: ``(score, b, h, q_idx, kv_idx, *mod_operands) -> score``, elementwise, rewrites each
+      float32 logit (e.g. a T5 relative-position bias read from a table operand). Differentiable in
+      the score and in the floating-point mod_operands. Served by reference, xla_dense and
+      xla_chunked.
+    mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/mods.py).
+      Gradients reach the floating-point ones.
+    Order: logits = scale * q.k + alibi + bias, then score_mod, then softcap, then the mask
+      (built-in rules and mask_mod), softmax in float32 (its denominator holding the sinks), then
+      dropout.
     precision: of every matmul (q.k and p.v, and those of the gradient), as in `jnp.dot`:
       "default", "high", "highest" (or jax's aliases "bfloat16", "bfloat16_3x",
       "tensorfloat32", "float32") or a `jax.lax.Precision`. None: "highest" (full float32
@@ -96,7 +110,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
              kv_segment_ids=kv_segment_ids, window=window, scale=scale, softcap=softcap,
              block_sizes=block_sizes, global_tokens=global_tokens, dropout_rate=dropout_rate,
              dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes,
-             bias=bias, precision=precision, sinks=sinks)
+             bias=bias, precision=precision, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
+             mod_operands=mod_operands)
 
 
 def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO, mesh: Any = None,
@@ -113,6 +128,7 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
   request, args = prepare(query, key, value, **options)
   sinks = dispatch.check_sinks(sinks, request.num_heads)
   mesh = sharded.resolve_mesh(mesh)
+  _check_mods_unsharded(request, mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
   if options.get("block_sizes") == AUTOTUNE:  # tune what each device runs, unless the cache has it
     tuner.ensure_tuned(impl, request if plan is None else plan.local)
@@ -123,6 +139,13 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
   if sinks is not None:
     out, _ = dispatch.merge_sinks(out, lse, sinks)
   return out
+
+
+def _check_mods_unsharded(request, mesh) -> None:
+  if mesh is not None and request.has_mods:
+    raise UnsupportedError("mask_mod/score_mod on a mesh are not supported yet (their operands and "
+                           "block masks are not split by parallel.sharded); call without mesh= and "
+                           "outside jax.set_mesh, or use the built-in mask arguments")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +162,7 @@ class Explanation:
   tuning: str = "default"  # where the configuration came from: "tuned (cache hit)", "shipped", "default"
   block_sizes: Any = None  # the tuned block sizes the impl runs with (None: its defaults)
   sinks: bool = False  # attention sinks, merged with the impl's (out, lse) after it runs
+  mods: str | None = None  # the call's mask_mod / score_mod, by name
 
   @property
   def block_fraction(self) -> float | None:
@@ -160,6 +184,8 @@ class Explanation:
       text += f" {self.block_sizes}"
     if self.sinks:
       text += "; sinks merged into the output and lse after the impl"
+    if self.mods is not None:
+      text += f"; {self.mods}"
     return text
 
 
@@ -178,6 +204,7 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   sinks = dispatch.check_sinks(sinks, request.num_heads)
   here = lowering.default_platform()
   mesh = sharded.resolve_mesh(mesh)
+  _check_mods_unsharded(request, mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
   name, reason, local, source = choose(impl, request if plan is None else plan.local, here)
   chosen = REGISTRY[name]
@@ -190,4 +217,11 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   steps = chosen.grid_steps(request, args, here) if registry.impl_has(name, "grid_steps") else None
   sharding = None if plan is None else plan.describe(request)
   return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps, source,
-                     local.block_sizes if source != "default" else None, sinks is not None)
+                     local.block_sizes if source != "default" else None, sinks is not None,
+                     _describe_mods(request))
+
+
+def _describe_mods(request) -> str | None:
+  parts = [f"{name}={mods.describe(fn)}" for name, fn in (("mask_mod", request.mask_mod),
+                                                          ("score_mod", request.score_mod)) if fn is not None]
+  return ", ".join(parts) or None

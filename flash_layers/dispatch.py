@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import dropout, lowering, masks
+from flash_layers import dropout, lowering, masks, mods
 from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry, tiling
 from flash_layers.tuning import cache as tuning_cache
 
@@ -281,7 +281,7 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
             window=None, scale=None, softcap=None, block_sizes=None, dense_mask=None,
             q_offset=0, kv_offset=0, global_tokens=0, dropout_rate=0.0, dropout_rng=None,
             dropout_broadcast=False, alibi_slopes=None, bias=None,
-            precision=None) -> tuple[Request, Args]:
+            precision=None, mask_mod=None, score_mod=None, mod_operands=None) -> tuple[Request, Args]:
   """Validate a call; return its static Request and array Args (with global tokens, the segment
   ids are encoded here, on the whole sequence: masks.encode_global)."""
   _check_qkv(query, key, value)
@@ -319,6 +319,7 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   slopes = _check_alibi(alibi_slopes, h)
   bias = _check_bias(bias, (b, h, t, s))
   precision = resolve_precision(precision, query.dtype)
+  mask_mod, score_mod, operands = mods.check(mask_mod, score_mod, mod_operands, as_array)
   if isinstance(block_sizes, str) and block_sizes != tuning_cache.AUTOTUNE:
     raise ValueError(f"block_sizes must be a block-size object, None or {tuning_cache.AUTOTUNE!r}; "
                      f"got {block_sizes!r}")
@@ -331,9 +332,9 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
       scale=d ** -0.5 if scale is None else scale, softcap=softcap,
       has_dense_mask=dense_mask is not None, block_sizes=block_sizes, dropout_rate=rate,
       dropout_broadcast=broadcast, has_alibi=slopes is not None, has_bias=bias is not None,
-      precision=precision)
+      precision=precision, mask_mod=mask_mod, score_mod=score_mod)
   return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask, dropout_seed=seed,
-                       alibi_slopes=slopes, bias=bias)
+                       alibi_slopes=slopes, bias=bias, mod_operands=operands)
 
 
 # ----------------------------------------------------------------------------
@@ -400,7 +401,9 @@ def _signature(r: Request) -> str:
   precision = r.precision.name.lower()
   extras = "".join(f"+{name}" for name, on in (
       (f"dropout={r.dropout_rate}", r.has_dropout), ("alibi", r.has_alibi), ("bias", r.has_bias),
-      (f"precision={precision}", r.precision != resolve_precision(None, r.dtype))) if on)
+      (f"precision={precision}", r.precision != resolve_precision(None, r.dtype)),
+      (f"mask_mod={mods.describe(r.mask_mod)}", r.mask_mod is not None),
+      (f"score_mod={mods.describe(r.score_mod)}", r.score_mod is not None)) if on)
   return (f"{r.dtype}[b={r.batch}, q={r.q_len}, kv={r.kv_len}, h={r.num_heads}/{r.num_kv_heads}, "
           f"d={r.head_dim}/{r.head_dim_v}] {r.spec.describe(r.has_segment_ids)}{extras}")
 
@@ -421,7 +424,7 @@ def _run(name: str, query, key, value, request: Request, args: Args):
   if lowering.interpreting() is not None:
     return _run_inline(name, query, key, value, request, args)
   fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-  arrays = {f: x for f, x in fields.items() if isinstance(x, (jax.Array, np.ndarray))}
+  arrays = {f: x for f, x in fields.items() if isinstance(x, (jax.Array, np.ndarray)) or f == "mod_operands"}
   static = tuple((f, x) for f, x in fields.items() if f not in arrays)
   return _run_jit(query, key, value, arrays, name=name, request=request, static=static,
                   only=lowering.only_platform())

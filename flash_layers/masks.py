@@ -300,10 +300,14 @@ def block_visibility(q_len: int, kv_len: int, block_q: int, block_kv: int, spec:
 
 
 def block_map(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSpec,
-              q_segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0) -> BlockMap:
-  """The shared block-sparsity map (see module docstring). Works on traced inputs."""
+              q_segment_ids=None, kv_segment_ids=None, q_offset=0, kv_offset=0,
+              tiles=None) -> BlockMap:
+  """The shared block-sparsity map (see module docstring). Works on traced inputs. `tiles`: a
+  mask_mod's (any, all) tile flags [b|1, nq, nk] (`mods.tile_flags`), intersected with the rules'."""
   vis, full = block_visibility(q_len, kv_len, block_q, block_kv, spec, q_segment_ids,
                                kv_segment_ids, q_offset, kv_offset)
+  if tiles is not None:
+    vis, full = vis & tiles[0], full & tiles[1]
   kv_index, kv_count = _compact(vis)
   q_index, q_count = _compact(jnp.swapaxes(vis, 1, 2))
   return BlockMap(vis, full, kv_index, kv_count, q_index, q_count)
@@ -311,17 +315,18 @@ def block_map(q_len: int, kv_len: int, block_q: int, block_kv: int, spec: MaskSp
 
 def block_stats(batch: int, num_heads: int, q_len: int, kv_len: int, block_q: int, block_kv: int,
                 spec: MaskSpec, q_segment_ids=None, kv_segment_ids=None, q_offset=0,
-                kv_offset=0) -> tuple[int, int] | None:
+                kv_offset=0, tiles=None) -> tuple[int, int] | None:
   """(blocks visited, blocks total) summed over batch and heads, for `explain()`.
 
   None when segment ids or offsets are traced or abstract (`jax.ShapeDtypeStruct`: the count is
-  then not known before running).
+  then not known before running). `tiles`: a callable returning a mask_mod's tile flags
+  (`block_map`), called only when everything else is concrete.
   """
   unknown = (jax.core.Tracer, jax.ShapeDtypeStruct)
   if any(isinstance(x, unknown) for x in (q_segment_ids, kv_segment_ids, q_offset, kv_offset)):
     return None
   bm = block_map(q_len, kv_len, block_q, block_kv, spec, q_segment_ids, kv_segment_ids,
-                 q_offset, kv_offset)
+                 q_offset, kv_offset, tiles=None if tiles is None else tiles())
   # Without segment ids the map has batch 1 and holds for every batch row.
   per_row = batch if bm.visible.shape[0] == 1 else 1
   visited = int(bm.blocks_visited) * per_row * num_heads
@@ -392,3 +397,14 @@ def count_visible(q_len: int, kv_len: int, spec: MaskSpec, q_offset: int = 0, kv
     g = spec.global_tokens
     count = min(count + min(g, q_len) * kv_len + q_len * min(g, kv_len), q_len * kv_len)
   return count
+
+
+
+# The named mask_mods users compose (`fl.masks.causal()`, ...) live in flash_layers/mask_mods.py;
+# they are reached through this module, the package's one mask namespace.
+from flash_layers import mask_mods as _mask_mods  # noqa: E402
+
+all_of, any_of, block_table = _mask_mods.all_of, _mask_mods.any_of, _mask_mods.block_table
+causal, chunked_causal, dilated = _mask_mods.causal, _mask_mods.chunked_causal, _mask_mods.dilated
+document, global_tokens, prefix_lm = _mask_mods.document, _mask_mods.global_tokens, _mask_mods.prefix_lm
+sliding_window = _mask_mods.sliding_window

@@ -19,8 +19,9 @@ An impl is a small object satisfying `Impl`, registered in `flash_layers.impls.r
 The computation every impl performs (the contract, written once):
 
   logits = scale * q.k^T + alibi + bias   (alibi[h, i, j] = -slope[h] * |i - j|, global positions)
+  logits = score_mod(logits, b, h, i, j, *mod_operands)  (if any; flash_layers/mods.py)
   logits = c * tanh(logits / c)           (softcap c, if any)
-  logits = -inf where the mask hides the key (causal, window, segments, dense mask)
+  logits = -inf where the mask hides the key (causal, window, segments, dense mask, mask_mod)
   p = softmax(logits) in float32;  lse = logsumexp(logits)  (the normaliser *before* dropout)
   p = p * keep / (1 - rate)               (dropout; keep from `flash_layers.dropout.keep`)
   out = p v
@@ -87,6 +88,14 @@ class Request:
   # The precision of every matmul (`jax.lax.Precision`, as in `jnp.dot`): DEFAULT, HIGH or HIGHEST.
   # `dispatch.prepare` resolves the user's None: HIGHEST, except DEFAULT for bfloat16 inputs.
   precision: jax.lax.Precision = jax.lax.Precision.HIGHEST
+  # The user's mods (flash_layers/mods.py): callables, hashed by identity (define one once and
+  # reuse it, or each call is a new trace).
+  mask_mod: Any = None
+  score_mod: Any = None
+
+  @property
+  def has_mods(self) -> bool:
+    return self.mask_mod is not None or self.score_mod is not None
 
   @property
   def has_dropout(self) -> bool:
@@ -107,6 +116,7 @@ class Args:
   head_offset: Any = 0   # calls), so the dropout hash sees global indices
   alibi_slopes: jax.Array | None = None  # float32 [num_heads] of the heads held here
   bias: jax.Array | None = None  # float, rank 4, broadcastable to [b, h, q, kv]
+  mod_operands: tuple = ()  # arrays passed to mask_mod and score_mod (flash_layers/mods.py)
 
 
 # The optional capabilities an impl may declare. Methods: the registry checks that a declared one

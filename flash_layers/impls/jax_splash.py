@@ -334,7 +334,9 @@ class JaxSplash:
       return f"the {platform} platform (splash attention has TPU kernels only)"
     for feature, present in (("dense mask", request.has_dense_mask), ("dense bias", request.has_bias),
                              ("dropout", request.has_dropout), ("alibi", request.has_alibi),
-                             ("global tokens", request.spec.global_tokens > 0)):
+                             ("global tokens", request.spec.global_tokens > 0),
+                             ("mask_mod", request.mask_mod is not None),
+                             ("score_mod", request.score_mod is not None)):
       if present:
         return feature
     return None

@@ -9,23 +9,26 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks, scores
+from flash_layers import dropout, masks, mods, scores
 from flash_layers.impls.base import Args, Request
 
 
 def masked_softmax_attention(q, k, v, mask, scale, softcap, extra=None, keep=None, rate=0.0,
-                             precision=jax.lax.Precision.HIGHEST):
+                             precision=jax.lax.Precision.HIGHEST, score_fn=None):
   """Attention over grouped heads in float32.
 
   q [b, t, kvh, g, d], k [b, s, kvh, d], v [b, s, kvh, dv], mask broadcastable to
   [b, kvh, g, t, s]; ``extra`` (alibi + bias) and ``keep`` (the dropout mask) broadcast
-  the same way. Returns out [b, t, kvh, g, dv] float32 and lse [b, kvh, g, t] (pre-dropout).
+  the same way; ``score_fn`` (the request's score_mod at the logits' indices) rewrites the logits
+  before the softcap. Returns out [b, t, kvh, g, dv] float32 and lse [b, kvh, g, t] (pre-dropout).
   Both einsums run at ``precision`` (the request's).
   """
   q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
   logits = jnp.einsum("btkgd,bskd->bkgts", q, k, precision=precision) * scale
   if extra is not None:
     logits = logits + extra
+  if score_fn is not None:
+    logits = score_fn(logits)
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   mask = jnp.broadcast_to(mask, logits.shape)
@@ -68,6 +71,13 @@ class Reference:
       dm = jnp.broadcast_to(args.dense_mask, (b, h, t, k.shape[1]))
       mask = mask & dm.reshape(b, kvh, g, t, k.shape[1])
     s = k.shape[1]
+    idx = mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
+                             b, kvh, g, t, s)
+    if request.mask_mod is not None:
+      mask = mask & mods.mask(request.mask_mod, idx, args.mod_operands)
+    score_fn = None
+    if request.score_mod is not None:
+      score_fn = lambda x: mods.score(request.score_mod, x, idx, args.mod_operands)  # noqa: E731
     extra = scores.dense_terms(args, t, s)  # ALiBi + bias, [b|1, h|1, t, s]
     if extra is not None:
       extra = jnp.broadcast_to(extra, (extra.shape[0], h, t, s)).reshape(-1, kvh, g, t, s)
@@ -77,7 +87,7 @@ class Reference:
       keep = keep.reshape(*((1, 1, 1) if request.dropout_broadcast else (b, kvh, g)), t, s)
     out, lse = masked_softmax_attention(q.reshape(b, t, kvh, g, d), k, v, mask,
                                         request.scale, request.softcap, extra, keep,
-                                        request.dropout_rate, request.precision)
+                                        request.dropout_rate, request.precision, score_fn)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
 
 

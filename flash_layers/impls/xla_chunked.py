@@ -39,7 +39,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks
+from flash_layers import dropout, masks, mods
 from flash_layers.alibi import alibi
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
@@ -93,6 +93,7 @@ class _Extras(NamedTuple):
   bias: jax.Array | None    # float [b|1, h|1, tp, sp]
   slopes: jax.Array | None  # float32 [kvh, g]
   ints: jax.Array           # int32 [q_offset, kv_offset, batch_offset, head_offset, seed0, seed1]
+  ops: tuple = ()           # mod_operands (flash_layers/mods.py), shared by every row
 
 
 def _tile_starts(st: _ChunkedCall, qb, kb):
@@ -106,10 +107,14 @@ def _tile_starts(st: _ChunkedCall, qb, kb):
 class _Row:
   """One batch row's chunked attention: the element mask and the logits of a (q chunk, kv chunk) tile."""
 
-  def __init__(self, st: _ChunkedCall, q_seg, kv_seg, dense, bias, slopes, ints, batch_index):
+  def __init__(self, st: _ChunkedCall, q_seg, kv_seg, dense, bias, slopes, ints, batch_index, ops=()):
     self.st, self.q_seg, self.kv_seg, self.dense, self.bias = st, q_seg, kv_seg, dense, bias
-    self.slopes = slopes
+    self.slopes, self.ops = slopes, ops
     self.q_offset, self.kv_offset = ints[0], ints[1]
+    kvh, g = st.request.num_kv_heads, st.group
+    # The mods' global row and heads, laid out as a tile's logits [kvh, g, bq, bk].
+    self.mod_b = (ints[2] + batch_index).reshape(1, 1, 1, 1)
+    self.mod_h = (ints[3] + jnp.arange(kvh * g, dtype=jnp.int32)).reshape(kvh, g, 1, 1)
     self.stream = None
     if st.request.dropout_rate > 0:
       if st.request.dropout_broadcast:
@@ -156,6 +161,8 @@ class _Row:
     # Padding added to reach whole chunks is never visible (padded query rows see nothing).
     ok = ok & (q_idx < st.request.q_len)[:, None] & (kv_idx < st.request.kv_len)[None, :]
     ok = ok[None, None]
+    if st.request.mask_mod is not None:
+      ok = ok & mods.mask(st.request.mask_mod, self.mod_indices(qb, kb), self.ops)
     if self.dense is not None:
       tile = jax.lax.dynamic_slice(
           self.dense, _tile_starts(st, qb, kb),
@@ -165,14 +172,25 @@ class _Row:
       ok = ok & tile
     return ok
 
-  def logits(self, q_blk, k_blk, qb, kb):
-    """float32 [kvh, g, bq, bk]: scale * q.k + alibi + bias, soft-capped. Also returns tanh for the
-    softcap's derivative."""
+  def mod_indices(self, qb, kb) -> mods.Indices:
+    """The mods' global indices of a tile, broadcastable to [kvh, g, bq, bk]."""
+    return mods.Indices(self.mod_b, self.mod_h, *self.positions(qb, kb))
+
+  def unmodded(self, q_blk, k_blk, qb, kb):
+    """float32 [kvh, g, bq, bk]: scale * q.k + alibi + bias (what score_mod receives)."""
     s = _dot(self.st, q_blk, k_blk, "kgtd,ksd->kgts") * self.st.request.scale
     if self.slopes is not None:
       s = s + alibi(self.slopes[..., None, None], *self.positions(qb, kb))
     if self.bias is not None:
       s = s + self.bias_tile(qb, kb)
+    return s
+
+  def logits(self, q_blk, k_blk, qb, kb):
+    """float32 [kvh, g, bq, bk]: `unmodded`, then score_mod, soft-capped. Also returns tanh for the
+    softcap's derivative."""
+    s = self.unmodded(q_blk, k_blk, qb, kb)
+    if self.st.request.score_mod is not None:
+      s = mods.score(self.st.request.score_mod, s, self.mod_indices(qb, kb), self.ops)
     if self.st.request.softcap is None:
       return s, None
     t = jnp.tanh(s / self.st.request.softcap)
@@ -180,12 +198,12 @@ class _Row:
 
 
 def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, dense, bias, slopes,
-                 ints, batch_index, *, branch: bool = False):
+                 ints, ops, batch_index, *, branch: bool = False):
   """One batch row. q [nq, kvh, g, bq, d], k/v [nk, kvh, bk, d|dv] -> out f32 [nq, kvh, g, bq, dv], lse.
 
   branch=True (only outside vmap, where a batched predicate would run both branches): a tile whose
   pairs are all visible (`kv_full`, from the block map) skips the element mask."""
-  row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index)
+  row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index, ops)
   kvh, g, bq, dv = q.shape[1], q.shape[2], q.shape[3], v.shape[-1]
 
   def q_chunk(args):
@@ -229,25 +247,26 @@ def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, k
 
 
 def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, dense, bias, slopes,
-                  ints, batch_index, lse, delta, dout):
+                  ints, ops, batch_index, lse, delta, dout):
   """One batch row's dq, dk, dv (float32) and dbias, recomputing each visited tile's probabilities from lse.
 
   With s the (capped) logits, p = exp(s - lse) and m the dropout multiplier (1 without dropout):
     dv += (m p)^T dO;  dp = m * (dO v^T);  ds = p * (dp - delta)   where delta = rowsum(dO * O) - dlse
-    (through the softcap: ds *= 1 - tanh^2);  dbias = ds;  dq += scale * ds k;  dk += scale * ds^T q.
+    (through the softcap: ds *= 1 - tanh^2; through score_mod: ds, d operands = its vjp at the
+    logits it received);  dbias = ds;  dq += scale * ds k;  dk += scale * ds^T q.
   (sum_j p m dO.v_j = dO.O, so delta is unchanged by dropout.)
   """
-  row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index)
+  row = _Row(st, q_seg, kv_seg, dense, bias, slopes, ints, batch_index, ops)
   bias_heads = None if bias is None else bias.shape[0]
   # A row that sees no key has lse = -inf and p = 0 everywhere; shift it by 0 to keep exp() finite.
   lse = jnp.where(lse == -jnp.inf, 0.0, lse)
 
   def q_chunk(carry, args):
-    dk, dv = carry
+    dk, dv, d_ops = carry
     qb, q_blk, lse_blk, delta_blk, do_blk = args
 
     def visit(i, inner):
-      dq, dk, dv, dbias = inner
+      dq, dk, dv, dbias, d_ops = inner
       kb = kv_index[qb, i]
       k_blk, v_blk = k[kb], v[kb]
       s, tanh = row.logits(q_blk, k_blk, qb, kb)
@@ -261,6 +280,10 @@ def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, 
       ds = p * (dp - delta_blk[..., None])
       if tanh is not None:
         ds = ds * (1.0 - tanh * tanh)
+      if st.request.score_mod is not None:
+        ds, d_tile = mods.score_vjp(st.request.score_mod, row.unmodded(q_blk, k_blk, qb, kb),
+                                    row.mod_indices(qb, kb), ops, ds)
+        d_ops = mods.add_grads(d_ops, d_tile)
       if dbias is not None:  # [h|1, bq, sp]: this q chunk's rows, written at kv chunk kb
         tile = ds.reshape(-1, *ds.shape[2:]) if bias_heads > 1 else ds.sum((0, 1))[None]
         dbias = jax.lax.dynamic_update_slice_in_dim(dbias, tile, kb * st.block_kv, 2)
@@ -269,19 +292,19 @@ def _backward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, 
       dk_blk = _dot(st, ds, q_blk, "kgts,kgtd->ksd")
       dk = jax.lax.dynamic_update_index_in_dim(dk, dk[kb] + dk_blk, kb, 0)
       dv = jax.lax.dynamic_update_index_in_dim(dv, dv[kb] + dv_blk, kb, 0)
-      return dq, dk, dv, dbias
+      return dq, dk, dv, dbias, d_ops
 
     dq = jnp.zeros(q_blk.shape, jnp.float32)
     dbias = None if bias is None else jnp.zeros((bias_heads, st.block_q, bias.shape[2]), jnp.float32)
-    dq, dk, dv, dbias = jax.lax.fori_loop(0, kv_count[qb], visit, (dq, dk, dv, dbias))
-    return (dk, dv), (dq, dbias)
+    dq, dk, dv, dbias, d_ops = jax.lax.fori_loop(0, kv_count[qb], visit, (dq, dk, dv, dbias, d_ops))
+    return (dk, dv, d_ops), (dq, dbias)
 
-  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32))
+  init = (jnp.zeros(k.shape, jnp.float32), jnp.zeros(v.shape, jnp.float32), mods.zero_grads(ops))
   xs = (jnp.arange(q.shape[0], dtype=jnp.int32), q, lse, delta, dout)
-  (dk, dv), (dq, dbias) = jax.lax.scan(q_chunk, init, xs)
+  (dk, dv, d_ops), (dq, dbias) = jax.lax.scan(q_chunk, init, xs)
   if dbias is not None:  # [nq, h|1, bq, sp] -> [h|1, tp, sp]
     dbias = jnp.swapaxes(dbias, 0, 1).reshape(bias_heads, -1, bias.shape[2])
-  return dq, dk, dv, dbias
+  return dq, dk, dv, dbias, d_ops
 
 
 def _row_axis(x):
@@ -298,7 +321,7 @@ def _row_inputs(q_seg, kv_seg, kv_index, kv_count, kv_full, extras: _Extras):
   """(arrays, vmap in_axes) of the per-row inputs after q, k, v: segments, block lists, extras."""
   arrays = (q_seg, kv_seg, kv_index, kv_count, kv_full, extras.dense, extras.bias)
   axes = tuple(_row_axis(x) for x in arrays)
-  return (*_squeeze_shared(*arrays), extras.slopes, extras.ints), (*axes, None, None)
+  return (*_squeeze_shared(*arrays), extras.slopes, extras.ints, extras.ops), (*axes, None, None, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -327,12 +350,14 @@ def _chunked_bwd(st, residuals, cotangents):
   delta = jnp.sum(dout * out, axis=-1) - dlse.astype(jnp.float32)
   arrays, axes = _row_inputs(q_seg, kv_seg, kv_index, kv_count, kv_full, extras)
   bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
-  dq, dk, dv, dbias = bwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32), lse, delta, dout)
+  dq, dk, dv, dbias, d_ops = bwd(st, q, k, v, *arrays, jnp.arange(q.shape[0], dtype=jnp.int32), lse, delta,
+                                 dout)
+  d_ops = mods.cast_grads(tuple(None if d is None else d.sum(0) for d in d_ops), extras.ops)  # over rows
   if dbias is not None:  # [b, h|1, tp, sp], summed over the rows when the bias is shared by them
     bias = extras.bias
     dbias = (dbias.sum(0, keepdims=True) if bias.shape[0] == 1 else dbias).astype(bias.dtype)
   slopes = None if extras.slopes is None else jnp.zeros_like(extras.slopes)
-  d_extras = _Extras(None, dbias, slopes, None)
+  d_extras = _Extras(None, dbias, slopes, None, d_ops)
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None, None, d_extras)
 
 
@@ -367,10 +392,18 @@ class XlaChunked:
             chunk_size(request.kv_len, sizes.block_kv or self.block_kv))
 
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
-    """(chunk pairs visited, total) over batch and heads; None when segment ids are traced."""
+    """(chunk pairs visited, total) over batch and heads; None when segment ids or mod_operands are
+    traced. With a mask_mod, a chunk pair counts when it shows a pair to some head."""
+    bq, bk = self.chunk_shape(request)
+    tiles = None
+    if request.mask_mod is not None:
+      if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
+        return None
+      nq, nk = -(-request.q_len // bq), -(-request.kv_len // bk)
+      tiles = functools.partial(_mod_tiles, request, args, bq, bk, nq, nk)
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
-                             *self.chunk_shape(request), request.spec, args.q_segment_ids,
-                             args.kv_segment_ids, args.q_offset, args.kv_offset)
+                             bq, bk, request.spec, args.q_segment_ids,
+                             args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
     return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args,
@@ -410,8 +443,8 @@ class XlaChunked:
     dout = dout.reshape(b, nq, bq, kvh, g, -1).transpose(0, 1, 3, 4, 2, 5)
     arrays, axes = _row_inputs(q_seg, kv_seg, bm.kv_index, bm.kv_count, _listed_full(bm), extras)
     bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
-    dq, dk, dv, _ = bwd(st, qc, kc, vc, *arrays, jnp.arange(b, dtype=jnp.int32),
-                        rows(lse, -jnp.inf), rows(delta, 0.0), dout)
+    dq, dk, dv, _, _ = bwd(st, qc, kc, vc, *arrays, jnp.arange(b, dtype=jnp.int32),
+                           rows(lse, -jnp.inf), rows(delta, 0.0), dout)
     dq = dq.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, d)[:, :t]
     sp = dk.shape[1] * st.block_kv
     dk = dk.transpose(0, 1, 3, 2, 4).reshape(b, sp, kvh, d)[:, :s]
@@ -445,7 +478,7 @@ class XlaChunked:
       dm = jnp.broadcast_to(dm, (dm.shape[0], dm.shape[1], t, s))
       dense = pad_to(pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
     bm = masks.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
-                         args.q_offset, args.kv_offset)
+                         args.q_offset, args.kv_offset, tiles=_mod_tiles(request, args, bq, bk, nq, nk))
     bias = None
     if args.bias is not None:  # [b|1, h|1, tp, sp]; padded entries are masked anyway
       bias = jnp.broadcast_to(args.bias, (*args.bias.shape[:2], t, s))
@@ -454,6 +487,17 @@ class XlaChunked:
     seed = args.dropout_seed if args.dropout_seed is not None else jnp.zeros((2,), jnp.int32)
     ints = jnp.stack([jnp.asarray(x, jnp.int32) for x in (
         args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)] + [seed[0], seed[1]])
-    extras = _Extras(dense, bias, slopes, ints)
+    extras = _Extras(dense, bias, slopes, ints, args.mod_operands)
     return st, (qc, kc, vc), q_seg, kv_seg, bm, extras
+
+
+def _mod_tiles(request: Request, args: Args, bq: int, bk: int, nq: int, nk: int):
+  """A mask_mod's (any, all) tile flags [b|1, nq, nk] over the call's heads, or None without one."""
+  if request.mask_mod is None:
+    return None
+  heads = args.head_offset + jnp.arange(request.num_heads, dtype=jnp.int32)
+  return mods.tile_flags(request.mask_mod, args.mod_operands, batch=request.batch, heads=heads,
+                         batch_offset=args.batch_offset, q_offset=args.q_offset, kv_offset=args.kv_offset,
+                         q_len=request.q_len, kv_len=request.kv_len, block_q=bq, block_kv=bk,
+                         num_q_blocks=nq, num_kv_blocks=nk)
 

@@ -39,11 +39,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, lowering, masks, scores
+from flash_layers import dropout, lowering, masks, mods, scores
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
@@ -74,31 +75,44 @@ def _to_rows(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _dense(st, q, k, v, mask, extra, keep):
+def _dense(st, q, k, v, mask, extra, keep, mod):
   # Not differentiated (evaluation, inference): the looped forward when lowered for CPU.
   # Differentiated: `_dense_fwd` on the whole call, saving what `_dense_bwd` needs.
   if st.looped:
-    return _dense_looped(st, q, k, v, mask, extra, keep)
-  return _dense_fwd(st, q, k, v, mask, extra, keep)[0]
+    return _dense_looped(st, q, k, v, mask, extra, keep, mod)
+  return _dense_fwd(st, q, k, v, mask, extra, keep, mod)[0]
+
+
+class _Mod(NamedTuple):
+  """A score_mod's arrays: its indices (`mods.Indices`, laid out as the logits) and mod_operands."""
+
+  idx: mods.Indices
+  operands: tuple
 
 
 # The batch axis of every operand and result of `_dense_fwd` is 0; its kv-head axis:
-_KV_AXIS = {"q": 2, "k": 2, "v": 2, "mask": 1, "extra": 1, "keep": 1, "out": 2, "lse": 1}
+_KV_AXIS = {"q": 2, "k": 2, "v": 2, "mask": 1, "extra": 1, "keep": 1, "out": 2, "lse": 1, "mod_b": 1,
+            "mod_h": 1}
 
 
-def _dense_looped(st, q, k, v, mask, extra, keep):
+def _dense_looped(st, q, k, v, mask, extra, keep, mod):
   """(out, lse) of `_dense_fwd`, one batch row and kv head at a time (`lax.map`s), so a step's
   [g, t, s] logits stay in cache. Only for the forward alone: under differentiation the whole-call
   forward and backward ran faster on XLA:CPU at batch > 1 (docs/benchmarks.md, "Attention on the
   CPU"), so `_dense`'s VJP uses those."""
   b, kvh = q.shape[0], k.shape[2]
   operands = {"q": q, "k": k, "v": v, "mask": mask, "extra": extra, "keep": keep}
+  if mod is not None:  # the row and head indices travel with the maps; positions and operands are shared
+    operands.update(mod_b=mod.idx.b, mod_h=mod.idx.h)
   # Each operand with its batch and kv-head axes first ([B', KVH', ...], B' and KVH' the size or 1).
   lead = {n: jnp.moveaxis(x, _KV_AXIS[n], 1) for n, x in operands.items() if x is not None}
 
   def head(x):
     one = {n: None if n not in x else jnp.expand_dims(x[n], (0, _KV_AXIS[n])) for n in operands}
-    out, lse = _dense_fwd(st, **one)[0]
+    step_mod = None
+    if mod is not None:
+      step_mod = _Mod(mod.idx._replace(b=one.pop("mod_b"), h=one.pop("mod_h")), mod.operands)
+    out, lse = _dense_fwd(st, **one, mod=step_mod)[0]
     return {"out": out, "lse": lse}
 
   stacked = cpu_loop.map_rows_and_heads(head, lead, b, kvh)  # [b, kvh, *step result], its b/kvh axes 1
@@ -106,12 +120,12 @@ def _dense_looped(st, q, k, v, mask, extra, keep):
   return whole["out"], whole["lse"]
 
 
-def _logits(st, q, k, mask, extra):
+def _logits(st, q, k, mask, extra, mod):
   """(scale * q, the masked (capped) logits [b, kvh, (g), t, s], tanh of the softcap or None)."""
   q = q * st.request.scale
-  s = _einsum(st, "btkgd,bskd->bkgts", q, k)
-  if extra is not None:
-    s = s + extra
+  s = _unmodded(st, q, k, extra)
+  if st.request.score_mod is not None:
+    s = mods.score(st.request.score_mod, s, mod.idx, mod.operands)
   tanh = None
   if st.request.softcap is not None:
     tanh = jnp.tanh(s / st.request.softcap)
@@ -121,10 +135,16 @@ def _logits(st, q, k, mask, extra):
   return q, s, tanh
 
 
-def _dense_fwd(st, q, k, v, mask, extra, keep):
+def _unmodded(st, q_scaled, k, extra):
+  """scale * q.k + extra: the logits score_mod receives."""
+  s = _einsum(st, "btkgd,bskd->bkgts", q_scaled, k)
+  return s if extra is None else s + extra
+
+
+def _dense_fwd(st, q, k, v, mask, extra, keep, mod):
   """q [b, t, kvh, (g), d] float32, k/v [b, s, kvh, d|dv]; mask and keep None or bool, extra None or
-  float32, each broadcastable to the logits [b, kvh, (g), t, s]."""
-  q, s, tanh = _logits(st, q, k, mask, extra)
+  float32, each broadcastable to the logits [b, kvh, (g), t, s]; mod a `_Mod` or None."""
+  q, s, tanh = _logits(st, q, k, mask, extra, mod)
   row_max = s.max(-1)
   if mask is not None:
     # A row that sees no key has max -inf: shift it by 0 so exp() gives 0, not NaN.
@@ -136,18 +156,19 @@ def _dense_fwd(st, q, k, v, mask, extra, keep):
   kept = p if keep is None else jnp.where(keep, p * dropout.keep_scale(st.request.dropout_rate), 0.0)
   out = _einsum(st, "bkgts,bskv->btkgv", kept, v) * _to_rows(inv)
   lse = jnp.where(has_key, row_max + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
-  return (out, lse), (q, k, v, p, inv, tanh, out, extra, keep)
+  return (out, lse), (q, k, v, p, inv, tanh, out, extra, keep, mod)
 
 
 def _dense_bwd(st, residuals, cotangents):
-  q, k, v, p, inv, tanh, out, extra, keep = residuals
+  q, k, v, p, inv, tanh, out, extra, keep, mod = residuals
   dout, dlse = cotangents
   delta = jnp.moveaxis(jnp.sum(dout * out, axis=-1), 1, -1) - dlse  # [b, k, (g), t]
-  dq, dk, dv, d_extra = _grads(st, q, k, v, p, inv, tanh, extra, keep, dout, delta)
-  return dq, dk, dv, None, d_extra, None
+  dq, dk, dv, d_extra, d_ops = _grads(st, q, k, v, p, inv, tanh, extra, keep, mod, dout, delta)
+  d_mod = None if mod is None else _Mod(mods.Indices(None, None, None, None), d_ops)
+  return dq, dk, dv, None, d_extra, None, d_mod
 
 
-def _grads(st, q, k, v, p, inv, tanh, extra, keep, dout, delta):
+def _grads(st, q, k, v, p, inv, tanh, extra, keep, mod, dout, delta):
   """With P = p / l:  dv = P^T dO;  ds = P * (dO v^T - delta), delta = rowsum(dO * O) - dlse
   (times 1 - tanh^2 through the softcap);  dq = scale * ds k;  dk = ds^T (scale * q)."""
   # Dropout: out = (P * keep * c) v, so dv sees the kept probabilities and dP = (dO v^T) * keep * c;
@@ -160,13 +181,17 @@ def _grads(st, q, k, v, p, inv, tanh, extra, keep, dout, delta):
   ds = p * ((dp - delta[..., None]) * inv[..., None])
   if tanh is not None:
     ds = ds * (1.0 - tanh * tanh)
+  d_ops = None
+  if st.request.score_mod is not None:  # through score_mod, at the logits it received
+    ds, d_ops = mods.score_vjp(st.request.score_mod, _unmodded(st, q, k, extra), mod.idx, mod.operands, ds)
+    d_ops = mods.cast_grads(d_ops, mod.operands)
   dq = _einsum(st, "bkgts,bskd->btkgd", ds, k) * st.request.scale
   dk = _einsum(st, "bkgts,btkgd->bskd", ds, q)
   d_extra = None
   if extra is not None:  # the logits' gradient, summed over the axes `extra` broadcasts along
     axes = tuple(i for i, (n, m) in enumerate(zip(extra.shape, ds.shape, strict=True)) if n == 1 and m > 1)
     d_extra = jnp.sum(ds, axis=axes, keepdims=True) if axes else ds
-  return dq, dk, dv, d_extra
+  return dq, dk, dv, d_extra, d_ops
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
@@ -187,7 +212,18 @@ def _mask(request: Request, args: Args, group: int):
     mask = dm if mask is None else mask & dm
   if mask is not None and group == 1:
     mask = mask[:, :, 0]
+  if request.mask_mod is not None:  # [b|1, kvh|1, (g|1), t|1, s|1], the logits' layout
+    shown = mods.mask(request.mask_mod, _indices(request, args), args.mod_operands)
+    mask = shown if mask is None else mask & shown
   return mask
+
+
+def _indices(request: Request, args: Args) -> mods.Indices:
+  """The global indices of the logits [b, kvh, (g), t, s] (the g axis only when group > 1)."""
+  kvh = request.num_kv_heads
+  group = request.num_heads // kvh
+  return mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
+                            request.batch, kvh, group, request.q_len, request.kv_len, grouped=group > 1)
 
 
 def _grouped(x, group: int):
@@ -229,8 +265,8 @@ class XlaDense:
 
   def _attend(self, q, k, v, *, request: Request, args: Args, looped: bool = False):
     b, t, h, _ = q.shape
-    st, f32, mask, extra, keep = _operands(q, k, v, request, args)
-    out, lse = _dense(dataclasses.replace(st, looped=looped), *f32, mask, extra, keep)
+    st, f32, mask, extra, keep, mod = _operands(q, k, v, request, args)
+    out, lse = _dense(dataclasses.replace(st, looped=looped), *f32, mask, extra, keep, mod)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
@@ -240,21 +276,21 @@ class XlaDense:
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
-    st, (q32, k32, v32), mask, extra, keep = _operands(q, k, v, request, args)
-    q32, logits, tanh = _logits(st, q32, k32, mask, extra)
+    st, (q32, k32, v32), mask, extra, keep, mod = _operands(q, k, v, request, args)
+    q32, logits, tanh = _logits(st, q32, k32, mask, extra, mod)
     stats = (lambda x: x.reshape(b, kvh, group, t)) if group > 1 else (lambda x: x)
     lse = stats(jnp.where(lse > -jnp.inf, lse, jnp.inf).astype(jnp.float32))  # no key: P = 0
     p = jnp.exp(logits - lse[..., None])
     dout = d_out.astype(jnp.float32)
     dout = dout.reshape(b, t, kvh, group, -1) if group > 1 else dout
-    dq, dk, dv, _ = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, dout,
-                           stats(delta.astype(jnp.float32)))
+    dq, dk, dv, _, _ = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, mod, dout,
+                              stats(delta.astype(jnp.float32)))
     return dq.reshape(b, t, h, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 def _operands(q, k, v, request: Request, args: Args):
-  """(static config, float32 (q grouped, k, v), mask, ALiBi + bias term, dropout keep) of a call,
-  laid out as the logits [b, kvh, (g), t, s] broadcast."""
+  """(static config, float32 (q grouped, k, v), mask, ALiBi + bias term, dropout keep, score_mod's
+  `_Mod` or None) of a call, laid out as the logits [b, kvh, (g), t, s] broadcast."""
   b, t, h, d = q.shape
   kvh = k.shape[2]
   group = h // kvh
@@ -265,4 +301,5 @@ def _operands(q, k, v, request: Request, args: Args):
   keep = None
   if request.has_dropout:
     keep = _grouped(dense_keep(request, args, b, h, t, s), group)  # [b|1, h|1, t, s] grouped
-  return st, f32, _mask(request, args, group), _extra(args, b, h, t, s, group), keep
+  mod = None if request.score_mod is None else _Mod(_indices(request, args), args.mod_operands)
+  return st, f32, _mask(request, args, group), _extra(args, b, h, t, s, group), keep, mod

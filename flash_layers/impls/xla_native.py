@@ -18,7 +18,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks, scores
+from flash_layers import masks, mods, scores
 from flash_layers.impls.base import Args, Request
 
 _CUDNN_DTYPES = ("bfloat16", "float16")
@@ -28,7 +28,7 @@ def _uses_plain_causal(request: Request, args: Args) -> bool:
   static_zero = isinstance(args.q_offset, int) and isinstance(args.kv_offset, int) and (
       args.q_offset == args.kv_offset == 0)
   return (request.spec.window is None and not request.has_segment_ids
-          and args.dense_mask is None and static_zero)
+          and args.dense_mask is None and request.mask_mod is None and static_zero)
 
 
 def _bias(request: Request, args: Args, q_len: int, kv_len: int):
@@ -47,13 +47,16 @@ class XlaNative:
       return "dropout (jax.nn.dot_product_attention has none)"
     if request.head_dim_v != request.head_dim:
       return "head_dim_v != head_dim"
+    if request.score_mod is not None:
+      return "score_mod (jax.nn.dot_product_attention takes no score function)"
     return None
 
   def kernel(self, request: Request, platform: str) -> str:
     cudnn_ok = (platform == "cuda" and request.dtype in _CUDNN_DTYPES
                 and request.head_dim <= 128 and request.head_dim % 8 == 0
                 and not request.has_segment_ids and request.spec.window is None
-                and not request.has_dense_mask and not request.has_alibi and not request.has_bias)
+                and not request.has_dense_mask and not request.has_alibi and not request.has_bias
+                and request.mask_mod is None)
     return "cudnn" if cudnn_ok else "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
@@ -65,6 +68,11 @@ class XlaNative:
                               args.kv_segment_ids, args.q_offset, args.kv_offset)[:, None]
       if args.dense_mask is not None:
         mask = mask & args.dense_mask
+      if request.mask_mod is not None:  # evaluated densely: [b|1, h|1, t|1, s|1]
+        b, t, h, _ = q.shape
+        idx = mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
+                                 b, h, 1, t, k.shape[1], grouped=False)
+        mask = mask & mods.mask(request.mask_mod, idx, args.mod_operands)
     dtype = q.dtype
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 1 and dtype != jnp.float32:
       # XLA:CPU cannot emit a half-precision dot with no free dimension ("ALG_DOT_BF16_BF16_F32

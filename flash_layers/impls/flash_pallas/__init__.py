@@ -121,6 +121,9 @@ class FlashPallas:
       return "dense mask"
     if request.has_bias:  # an O(q * kv) operand per head defeats the kernels' purpose
       return "dense bias"
+    for name in ("mask_mod", "score_mod"):
+      if getattr(request, name) is not None:  # the kernels evaluate only the built-in rules so far
+        return name
     family, _ = family_for(platform)
     return _family(family).unsupported(request)
 
