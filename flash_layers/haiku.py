@@ -45,7 +45,8 @@ class MultiHeadAttention(hk.Module):
                param_dtype: Any = jnp.float32, use_bias: bool = True,
                kernel_init: Callable | None = None, bias_init: Callable | None = None,
                precision: Any = None, dropout_rate: float = 0.0, alibi: Any = False,
-               use_sinks: bool = False, sinks_init: Callable | None = None, name: str | None = None):
+               use_sinks: bool = False, sinks_init: Callable | None = None,
+               mask_mod: Callable | None = None, score_mod: Callable | None = None, name: str | None = None):
     super().__init__(name=name)
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -70,15 +71,16 @@ class MultiHeadAttention(hk.Module):
     self.alibi = alibi
     self.use_sinks = use_sinks
     self.sinks_init = sinks_init or jnp.zeros
+    self.mask_mod, self.score_mod = mask_mod, score_mod
     layers.check_fields(self)
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
+               deterministic: bool = True, mod_operands: tuple | None = None) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
-    segment_ids, kv_segment_ids, positions, kv_positions as in the Flax layer.
+    segment_ids, kv_segment_ids, positions, kv_positions, mod_operands as in the Flax layer.
     Returns [batch, q_len, out_features].
     """
     self_attention = inputs_kv is None
@@ -93,7 +95,8 @@ class MultiHeadAttention(hk.Module):
     dropout_rng = hk.next_rng_key() if layers.needs_dropout_rng(self, deterministic) else None
     sinks = (hk.get_parameter("sinks", (self.num_heads,), jnp.float32, init=self.sinks_init)
              if self.use_sinks else None)
-    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks)
+    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                              mod_operands)
     return _dense(self, "out", out, (dims.num_heads, dims.head_dim_v, dims.out_features), 2)
 
 

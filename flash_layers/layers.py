@@ -63,6 +63,10 @@ def check_fields(layer) -> None:
   _check_alibi(layer.alibi, layer.num_heads)
   if not isinstance(getattr(layer, "use_sinks", False), bool):
     raise TypeError(f"use_sinks must be a bool; got {layer.use_sinks!r}")
+  for name in ("mask_mod", "score_mod"):
+    fn = getattr(layer, name, None)
+    if fn is not None and not callable(fn):
+      raise TypeError(f"{name} must be a callable (flash_layers/mods.py) or None; got {type(fn).__name__}")
   dispatch.normalize_precision(layer.precision)
   rotary.check_theta(getattr(layer, "rope_theta", None))
 
@@ -154,9 +158,11 @@ def rotate_heads(layer, query, key, positions, kv_positions, self_attention: boo
   return rotate(query, positions, "positions"), rotate(key, kv_positions, "kv_positions")
 
 
-def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None):
+def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
+                 mod_operands=None):
   """`fl.attention` with the layer's attention fields; dropout applies when given a key; `sinks`:
-  the layer's sink logits [num_heads] (use_sinks) or None."""
+  the layer's sink logits [num_heads] (use_sinks) or None; `mod_operands`: the call's, for the
+  layer's mask_mod / score_mod."""
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                        window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
@@ -164,7 +170,8 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_
                        dropout_rate=layer.dropout_rate if dropout_rng is not None else 0.0,
                        dropout_rng=dropout_rng, alibi_slopes=alibi_slopes(layer),
                        precision=layer.precision,
-                       block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None), sinks=sinks)
+                       block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None), sinks=sinks,
+                       mask_mod=layer.mask_mod, score_mod=layer.score_mod, mod_operands=mod_operands)
 
 
 # ----------------------------------------------------------------------------
@@ -253,6 +260,8 @@ class MultiHeadAttention(nn.Module):
     use_sinks: the layer owns a "sinks" parameter [num_heads] (float32 logits, `fl.attention`'s
       `sinks`: they join every row's softmax denominator), initialised by `sinks_init` (zeros:
       each head starts with a sink of logit 0).
+    mask_mod, score_mod: `fl.attention`'s (flash_layers/mods.py; `fl.masks` has named mask_mods);
+      a call's `mod_operands` are passed to them.
   """
 
   num_heads: int
@@ -279,6 +288,8 @@ class MultiHeadAttention(nn.Module):
   alibi: Any = False
   use_sinks: bool = False
   sinks_init: Callable = nn.initializers.zeros_init()
+  mask_mod: Callable | None = None
+  score_mod: Callable | None = None
 
   def __post_init__(self):
     check_fields(self)
@@ -296,10 +307,11 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-               deterministic: bool = True) -> jax.Array:
+               deterministic: bool = True, mod_operands: tuple | None = None) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
+    mod_operands: arrays for the layer's mask_mod / score_mod (as `fl.attention`'s).
     positions [batch, q_len] / kv_positions [batch, kv_len]: int positions for the rotary
     embeddings (with rope_theta; e.g. restarting per packed document). None: 0, 1, ... for the
     queries; kv_positions default to positions in self-attention.
@@ -319,7 +331,8 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
     sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
              else None)
-    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks)
+    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                       mod_operands)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
 
 
@@ -327,7 +340,8 @@ class MultiHeadAttention(nn.Module):
 # attention_fn: flash_layers inside flax's own attention modules
 # ----------------------------------------------------------------------------
 
-_FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes", "mesh")
+_FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes", "mesh", "mask_mod", "score_mod",
+                 "mod_operands")
 # Keywords flax passes that change nothing here: our softmax is always float32 and
 # dtype promotion is done below.
 _HARMLESS_EXTRA = ("promote_dtype", "force_fp32_for_softmax")
@@ -362,7 +376,8 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
   Args:
     impl: one of `fl.IMPLS` or "auto".
     **fixed_kwargs: `fl.attention` options applied to every call: causal, window,
-      scale, softcap, block_sizes, mesh.
+      scale, softcap, block_sizes, mesh, mask_mod, score_mod, mod_operands (the mods' `b` is
+      the index in the batch dims flattened to one).
 
   Each call runs `fl.attention`'s own path (`api.run`), mesh included: with `mesh=`
   fixed here or a current mesh (`jax.set_mesh`), the call runs inside `shard_map`,

@@ -62,7 +62,8 @@ class MultiHeadAttention(nnx.Module):
                kernel_init: Callable = _KERNEL_INIT,
                bias_init: Callable = _BIAS_INIT, precision: Any = None,
                dropout_rate: float = 0.0, alibi: Any = False, deterministic: bool = True,
-               use_sinks: bool = False, sinks_init: Callable = _SINKS_INIT, rngs: nnx.Rngs):
+               use_sinks: bool = False, sinks_init: Callable = _SINKS_INIT,
+               mask_mod: Callable | None = None, score_mod: Callable | None = None, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -82,6 +83,7 @@ class MultiHeadAttention(nnx.Module):
     self.deterministic = deterministic
     self.precision = precision  # the projections' and the attention's
     self.use_sinks = use_sinks
+    self.mask_mod, self.score_mod = mask_mod, score_mod
     layers.check_fields(self)
     if alibi is not None and not isinstance(alibi, bool):
       # Static data, not an array attribute (which NNX would treat as state).
@@ -120,13 +122,15 @@ class MultiHeadAttention(nnx.Module):
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool | None = None,
-               rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None) -> jax.Array:
+               rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
+               mod_operands: tuple | None = None) -> jax.Array:
     """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
     positions / kv_positions: for the rotary embeddings, as in the linen layer.
     deterministic: None for the layer's attribute. rngs: dropout keys for this call
-    (an `nnx.Rngs`, a stream or a key) instead of the layer's own.
+    (an `nnx.Rngs`, a stream or a key) instead of the layer's own. mod_operands: arrays for the
+    layer's mask_mod / score_mod.
     Returns [batch, q_len, out_features].
     """
     self_attention = inputs_kv is None
@@ -143,7 +147,8 @@ class MultiHeadAttention(nnx.Module):
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     sinks = None if self.sinks is None else self.sinks[...]
-    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks)
+    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                              mod_operands)
     return self.out(out)
 
   def _dropout_key(self, rngs) -> jax.Array:

@@ -26,6 +26,8 @@ import contextlib
 import dataclasses
 import functools
 import zlib
+from collections.abc import Callable
+from typing import Any
 
 import hypothesis
 import hypothesis.strategies as st
@@ -50,10 +52,10 @@ CASES = [
 
 # Features a case refuses by design (docs/contract.md feature table) -> the suite expects UnsupportedError.
 REFUSED = {
-    ("xla_native", None): ("softcap", "head_dim_v", "dropout"),
-    ("flash_pallas", "tpu"): ("dense bias",),
-    ("flash_pallas", "gpu"): ("dense bias",),
-    ("jax_splash", "tpu"): ("dropout", "alibi", "dense bias", "global tokens"),
+    ("xla_native", None): ("softcap", "head_dim_v", "dropout", "score_mod"),
+    ("flash_pallas", "tpu"): ("dense bias", "mask_mod", "score_mod"),
+    ("flash_pallas", "gpu"): ("dense bias", "mask_mod", "score_mod"),
+    ("jax_splash", "tpu"): ("dropout", "alibi", "dense bias", "global tokens", "mask_mod", "score_mod"),
 }
 
 # Cases that run a subset of CONFIGS (each an interpreted kernel of seconds per configuration, so
@@ -79,7 +81,8 @@ BF16_CONFIGS = (
     "window_empty_rows_cross", "softcap_causal_gqa_packed", "scale_large_causal",
     "global_causal_window_packed_batch3", "global_cross_packed", "dropout05_packed_gqa_batch2",
     "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
-    "bias_full_dropout_causal_batch2", "bias_shared_cross_packed_alibi", "sinks_orphans_causal_gqa_batch2")
+    "bias_full_dropout_causal_batch2", "bias_shared_cross_packed_alibi", "sinks_orphans_causal_gqa_batch2",
+    "mod_t5_prefix_gqa_batch2", "mod_documents_cross_batch2")
 
 # Our interpreted kernels (seconds per configuration) run bfloat16 on fewer of them, which still
 # hold every feature they serve: tails, several blocks, GQA/MQA, batch, cross lengths, packed
@@ -123,6 +126,7 @@ class Config:
   bias: tuple[bool, bool, bool, bool] | None = None  # which of [b, h, t, s] the bias has (else 1)
   global_tokens: int = 0
   sinks: bool = False  # a random float32 [heads] of sink logits (differentiated too)
+  mods: str | None = None  # a key of MOD_SCENARIOS: mask_mod / score_mod with their operands
 
   @property
   def s(self) -> int:
@@ -152,7 +156,117 @@ class Config:
       used.add("global tokens")
     if self.sinks:
       used.add("sinks")
+    if self.mods is not None:
+      scenario = MOD_SCENARIOS[self.mods]
+      used |= {name for name, fn in (("mask_mod", scenario.mask_mod), ("score_mod", scenario.score_mod))
+               if fn is not None}
     return used
+
+
+# ----------------------------------------------------------------------------
+# mask_mod / score_mod scenarios: the jnp mods the impls run, and the same rules written again in
+# NumPy for the float64 oracle (its mask, its score function with dy/dx, the operands' gradients
+# from its dL/dy), so a mod the impls mis-apply cannot pass by being evaluated the same way twice.
+# ----------------------------------------------------------------------------
+
+T5_RADIUS = 8  # relative positions clipped to [-8, 8]: 17 buckets per head
+MOD_CAP = 4.0  # the softcap written as a score_mod
+
+
+def _t5_bias(score, b, h, q_idx, kv_idx, table, *_):
+  return score + table[h, jnp.clip(q_idx - kv_idx, -T5_RADIUS, T5_RADIUS) + T5_RADIUS]
+
+
+def _cap(score, b, h, q_idx, kv_idx, *_):
+  return MOD_CAP * jnp.tanh(score / MOD_CAP)
+
+
+def _positions(cfg):
+  return np.arange(cfg.q_len)[:, None], np.arange(cfg.s)[None, :]
+
+
+def _np_prefix_lm(cfg, prefix):  # bool [b, 1, t, s]
+  i, j = _positions(cfg)
+  return ((j <= i)[None] | (j[None] < np.asarray(prefix)[:, None, None]))[:, None]
+
+
+def _np_t5_score(cfg, table):
+  i, j = _positions(cfg)
+  bias = np.asarray(table, np.float64)[:, np.clip(i - j, -T5_RADIUS, T5_RADIUS) + T5_RADIUS]  # [h, t, s]
+  return lambda x: (x + bias[None], np.ones_like(x))
+
+
+def _np_t5_grad(cfg, table, dscore, magnitude):
+  """d table [h, buckets] = the sum of dL/dy over the (b, t, s) in each bucket, per head."""
+  i, j = _positions(cfg)
+  bucket = np.broadcast_to(np.clip(i - j, -T5_RADIUS, T5_RADIUS) + T5_RADIUS, dscore.shape[2:])
+  grad, mag = np.zeros(table.shape), np.zeros(table.shape)
+  for h in range(table.shape[0]):
+    np.add.at(grad[h], bucket, dscore[:, h].sum(0))
+    np.add.at(mag[h], bucket, np.abs(magnitude[:, h]).sum(0))
+  return grad, mag.max()
+
+
+def _np_cap(cfg):
+  def f(x):
+    t = np.tanh(x / MOD_CAP)
+    return MOD_CAP * t, 1.0 - t * t
+  return f
+
+
+@dataclasses.dataclass(frozen=True)
+class ModScenario:
+  """mask_mod/score_mod, their operands, and the oracle's NumPy versions."""
+
+  mask_mod: Any = None
+  score_mod: Any = None
+  operands: Callable = lambda cfg, rng: ()  # -> tuple of NumPy arrays
+  visible: Callable | None = None  # (cfg, operands) -> bool broadcastable to [b, h, t, s]
+  score: Callable | None = None  # (cfg, operands) -> x -> (y, dy/dx), float64
+  grads: Callable | None = None  # (cfg, operands, dscore, magnitude) -> {operand index: (grad, magnitude)}
+
+
+def _prefixes(cfg, rng):
+  return rng.integers(0, cfg.s + 1, size=cfg.batch).astype(np.int32)
+
+
+def _t5_table(cfg, rng):
+  return (rng.standard_normal((cfg.heads, 2 * T5_RADIUS + 1)) * 2).astype(np.float32)
+
+
+def _block_table(cfg, rng):
+  return rng.random((-(-cfg.q_len // 8), -(-cfg.s // 8))) < 0.5
+
+
+def _documents(cfg, rng):
+  return (_packed_ids(rng, cfg.batch, cfg.q_len, 3, pad=5), _packed_ids(rng, cfg.batch, cfg.s, 3, pad=3))
+
+
+MOD_SCENARIOS = {
+    "prefix_lm": ModScenario(
+        mask_mod=fl.masks.prefix_lm(operand=0), operands=lambda cfg, rng: (_prefixes(cfg, rng),),
+        visible=lambda cfg, ops: _np_prefix_lm(cfg, ops[0])),
+    "chunked_causal": ModScenario(
+        mask_mod=fl.masks.chunked_causal(24),
+        visible=lambda cfg, ops: ((lambda i, j: (j <= i) & (i // 24 == j // 24))(*_positions(cfg)))),
+    "block_table": ModScenario(
+        mask_mod=fl.masks.block_table(0, 8, 8), operands=lambda cfg, rng: (_block_table(cfg, rng),),
+        visible=lambda cfg, ops: (lambda i, j: ops[0][i // 8, j // 8])(*_positions(cfg))),
+    "documents": ModScenario(
+        mask_mod=fl.masks.document(0, 1), operands=_documents,
+        visible=lambda cfg, ops: (ops[0][:, :, None] == ops[1][:, None, :])[:, None]),
+    "t5_bias": ModScenario(
+        score_mod=_t5_bias, operands=lambda cfg, rng: (_t5_table(cfg, rng),),
+        score=lambda cfg, ops: _np_t5_score(cfg, ops[0]),
+        grads=lambda cfg, ops, d, m: {0: _np_t5_grad(cfg, ops[0], d, m)}),
+    "t5_prefix": ModScenario(
+        mask_mod=fl.masks.prefix_lm(operand=1), score_mod=_t5_bias,
+        operands=lambda cfg, rng: (_t5_table(cfg, rng), _prefixes(cfg, rng)),
+        visible=lambda cfg, ops: _np_prefix_lm(cfg, ops[1]),
+        score=lambda cfg, ops: _np_t5_score(cfg, ops[0]),
+        grads=lambda cfg, ops, d, m: {0: _np_t5_grad(cfg, ops[0], d, m)}),
+    "cap": ModScenario(score_mod=_cap, score=lambda cfg, ops: _np_cap(cfg)),
+}
 
 
 CONFIGS = [
@@ -233,6 +347,19 @@ CONFIGS = [
            softcap=3.0, input_scale=2.0, alibi=True, dropout=0.1, sinks=True),
     Config("sinks_bias_packed", q_len=48, heads=2, segments="packed", bias=(False, True, True, True),
            sinks=True),
+    # mask_mod / score_mod (MOD_SCENARIOS): prefix-LM with per-row prefixes, chunked causal (also
+    # over several of xla_chunked's chunks), a block-sparse table, random documents, a T5 relative
+    # bias table (its gradient checked) with a prefix-LM mask, softcap written as a score_mod; with
+    # GQA, batch, cross lengths, sinks, and the built-in causal, window, ALiBi, softcap and dropout.
+    Config("mod_prefix_lm_gqa_batch2", q_len=72, batch=2, heads=4, kv_heads=2, mods="prefix_lm"),
+    Config("mod_chunked_causal_sinks", q_len=70, heads=2, mods="chunked_causal", sinks=True),
+    Config("mod_chunked_causal_1100", q_len=1100, heads=1, mods="chunked_causal"),
+    Config("mod_block_table_cross_window", q_len=40, kv_len=56, mods="block_table", window=(30, 10)),
+    Config("mod_documents_cross_batch2", q_len=48, kv_len=64, batch=2, mods="documents"),
+    Config("mod_t5_prefix_gqa_batch2", q_len=64, batch=2, heads=4, kv_heads=2, mods="t5_prefix"),
+    Config("mod_t5_softcap_dropout_alibi", q_len=40, heads=2, mods="t5_bias", softcap=3.0, alibi=True,
+           dropout=0.1, input_scale=2.0),
+    Config("mod_softcap_as_score_mod_causal", q_len=50, heads=2, causal=True, mods="cap", input_scale=2.0),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -279,6 +406,7 @@ class Problem:
   expected: dict  # float64 out, lse, dq, dk, dv (dbias), visible_rows
   bias: np.ndarray | None = None  # float32, rank 4
   sinks: np.ndarray | None = None  # float32 [heads]
+  mod_operands: tuple = ()  # NumPy arrays (ModScenario.operands)
 
   @property
   def kwargs(self) -> dict:
@@ -290,6 +418,9 @@ class Problem:
                     dropout_broadcast=cfg.dropout_broadcast)
     if cfg.alibi:
       kwargs["alibi_slopes"] = fl.alibi_slopes(cfg.heads)
+    if cfg.mods is not None:
+      scenario = MOD_SCENARIOS[cfg.mods]
+      kwargs.update(mask_mod=scenario.mask_mod, score_mod=scenario.score_mod)
     return kwargs
 
 
@@ -320,11 +451,19 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
     keep = np.asarray(fl.dropout_mask(dropout_key(cfg, seed), batch=b, num_heads=h, q_len=t, kv_len=s,
                                       rate=cfg.dropout, broadcast=cfg.dropout_broadcast))
   sinks = rng.standard_normal(h).astype(np.float32) + 1.0 if cfg.sinks else None
+  scenario = MOD_SCENARIOS.get(cfg.mods, ModScenario())
+  ops = scenario.operands(cfg, rng)
+  if scenario.visible is not None:
+    visible = visible & scenario.visible(cfg, ops)
   expected = reference64.attention(
       q, k, v, visible, scale=cfg.scale, softcap=cfg.softcap, bias=bias,
       alibi_slopes=np.asarray(fl.alibi_slopes(h)) if cfg.alibi else None, keep=keep, rate=cfg.dropout,
-      dout=dout, sinks=sinks)
-  return Problem(cfg, dtype, seed, arrays, seg, expected, bias, sinks)
+      dout=dout, sinks=sinks, score_mod=None if scenario.score is None else scenario.score(cfg, ops))
+  if scenario.grads is not None:
+    for i, (grad, magnitude) in scenario.grads(cfg, ops, expected["dscore"],
+                                                expected["magnitude"]["dscore_elements"]).items():
+      expected[f"dmod{i}"], expected["magnitude"][f"dmod{i}"] = grad, magnitude
+  return Problem(cfg, dtype, seed, arrays, seg, expected, bias, sinks, ops)
 
 
 def _interpret(platform):
@@ -336,13 +475,21 @@ def run_case(case, problem: Problem) -> dict:
   impl, platform = case
   kwargs = problem.kwargs
 
-  def fwd_bwd(q, k, v, dout, seg, bias, sinks):
-    def f(q, k, v, bias, sinks):
-      return fl.attention(q, k, v, impl=impl, **seg, **kwargs, bias=bias, sinks=sinks)
+  floats = [jnp.issubdtype(x.dtype, jnp.floating) for x in problem.mod_operands]
 
-    out, vjp = jax.vjp(f, q, k, v, bias, sinks)
-    dq, dk, dv, dbias, dsinks = vjp(dout)
+  def fwd_bwd(q, k, v, dout, seg, bias, sinks, float_ops, other_ops):
+    def f(q, k, v, bias, sinks, float_ops):
+      it_f, it_o = iter(float_ops), iter(other_ops)
+      ops = tuple(next(it_f) if is_float else next(it_o) for is_float in floats)
+      return fl.attention(q, k, v, impl=impl, **seg, **kwargs, bias=bias, sinks=sinks,
+                          mod_operands=ops or None)
+
+    out, vjp = jax.vjp(f, q, k, v, bias, sinks, float_ops)
+    dq, dk, dv, dbias, dsinks, d_float = vjp(dout)
     result = {"out": out, "dq": dq, "dk": dk, "dv": dv}
+    float_indices = [i for i, is_float in enumerate(floats) if is_float]
+    for i, d in zip(float_indices, d_float, strict=True):
+      result[f"dmod{i}"] = d
     if bias is not None:
       result["dbias"] = dbias
     if sinks is not None:
@@ -353,8 +500,10 @@ def run_case(case, problem: Problem) -> dict:
   seg = {name: jnp.asarray(ids) for name, ids in problem.seg.items()}
   bias = None if problem.bias is None else jnp.asarray(problem.bias)
   sinks = None if problem.sinks is None else jnp.asarray(problem.sinks)
+  float_ops = tuple(jnp.asarray(x) for x, f in zip(problem.mod_operands, floats, strict=True) if f)
+  other_ops = tuple(jnp.asarray(x) for x, f in zip(problem.mod_operands, floats, strict=True) if not f)
   with _interpret(platform):
-    result = jax.jit(fwd_bwd)(*arrays, seg, bias, sinks)
+    result = jax.jit(fwd_bwd)(*arrays, seg, bias, sinks, float_ops, other_ops)
   return {name: np.asarray(x.astype(jnp.float32), np.float64) for name, x in result.items()}
 
 
@@ -365,7 +514,7 @@ def relative_errors(actual: dict, expected: dict) -> dict[str, tuple[float, tupl
   output that cancels to ~0 is not judged relative to ~0.
   """
   errors = {}
-  for name in ("out", *GRADS, *(n for n in ("dbias", "dsinks") if n in actual)):
+  for name in ("out", *GRADS, *(n for n in actual if n in ("dbias", "dsinks") or n.startswith("dmod"))):
     expect, magnitude = expected[name], expected["magnitude"][name]
     if name == "dbias":  # the oracle's [b, h, t, s], summed over the bias's broadcast axes
       axes = tuple(i for i in range(4) if actual[name].shape[i] == 1 and expect.shape[i] != 1)

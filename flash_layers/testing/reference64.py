@@ -5,11 +5,13 @@ mask, the softcap, GQA head mapping or the gradient) cannot hide here too. The
 backward pass is derived by hand, not by autodiff:
 
   x = scale * q.k + alibi + bias,  alibi[h, i, j] = -slope[h] * |i - j|
-  s = x (then c * tanh(x / c) with a softcap), p = softmax over visible keys,
+  y = score_mod(x) (x without one; the caller gives y and dy/dx, elementwise)
+  s = y (then c * tanh(y / c) with a softcap), p = softmax over visible keys,
   lse = log sum_j exp(s_j)  (before dropout)
   m = keep / (1 - rate) (dropout, with a given keep mask; 1 without),  out = (m p) v
   dv = (m p)^T dout,  dp = m * (dout v^T),  ds = p * (dp - rowsum(dout * out) + dlse)
-  (softcap: ds *= 1 - tanh^2),  dbias = ds,  dq = scale * ds k,  dk = scale * ds^T q
+  (softcap: ds *= 1 - tanh^2),  dscore = ds (dL/dy),  (score_mod: ds *= dy/dx),
+  dbias = ds,  dq = scale * ds k,  dk = scale * ds^T q
 
 (sum_j p_j m_j dout.v_j = dout.out, so the row term is the same with dropout.)
 
@@ -67,13 +69,17 @@ def mask(batch, q_len, kv_len, *, causal=False, window=None, segment_ids=None,
 
 
 def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_slopes=None,
-              keep=None, rate=0.0, q_offset=0, kv_offset=0, dout=None, dlse=None, sinks=None):
+              keep=None, rate=0.0, q_offset=0, kv_offset=0, dout=None, dlse=None, sinks=None,
+              score_mod=None):
   """q [b, t, h, d], k [b, s, kvh, d], v [b, s, kvh, dv]; visible broadcastable to [b, h, t, s].
 
   bias: broadcastable to [b, h, t, s]; alibi_slopes: [h] (positions q_offset + i, kv_offset + j);
   keep: the dropout keep mask (bool, broadcastable to [b, h, t, s]) applied with `rate`.
   sinks: [h] logits that join each row's softmax denominator with no value (attention sinks);
   then also dsinks.
+  score_mod: a float64 NumPy function x [b, h, t, s] -> (y, dy/dx), both [b, h, t, s]; then also
+  dscore = dL/dy (and its elementwise magnitude, magnitude["dscore_elements"]), from which a test
+  derives its operands' gradients.
   Returns a dict with out [b, t, h, dv], lse [b, h, t] and, when dout is given,
   dq, dk, dv (and dbias [b, h, t, s] with a bias) (all float64). Rows that see no key:
   out 0, lse -inf, gradients 0.
@@ -93,6 +99,9 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_sl
     x = x - np.asarray(alibi_slopes, np.float64)[None, :, None, None] * np.abs(i - j)
   if bias is not None:
     x = x + np.asarray(bias, np.float64)
+  dy_dx = None
+  if score_mod is not None:
+    x, dy_dx = score_mod(x)
   tanh = None
   if softcap is not None:
     tanh = np.tanh(x / softcap)
@@ -131,14 +140,19 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_sl
     result["magnitude"]["dsinks"] = (p_sink * np.abs(row_dot[..., 0])).sum((0, 2)).max(initial=0.0)
   if tanh is not None:
     ds = ds * (1.0 - tanh * tanh)
+  if dy_dx is not None:
+    result["dscore"] = ds.copy()
+    result["magnitude"]["dscore_elements"] = p * (np.abs(dp) + np.abs(row_dot))
+    ds = ds * dy_dx
   if bias is not None:
     result["dbias"] = ds.copy()
-    result["magnitude"]["dbias"] = (p * (np.abs(dp) + np.abs(row_dot))).max(initial=0.0)
+    result["magnitude"]["dbias"] = (p * (np.abs(dp) + np.abs(row_dot))
+                                    * (1.0 if dy_dx is None else np.abs(dy_dx))).max(initial=0.0)
   dx = scale * ds
   dq = np.einsum("bhts,bshd->bthd", dx, k_rep)
   dk_rep = np.einsum("bhts,bthd->bshd", dx, q)
   s = k.shape[1]
-  dx_mag = scale * p * (np.abs(dp) + np.abs(row_dot))
+  dx_mag = scale * p * (np.abs(dp) + np.abs(row_dot)) * (1.0 if dy_dx is None else np.abs(dy_dx))
   result["magnitude"].update(
       dq=np.einsum("bhts,bshd->bthd", dx_mag, np.abs(k_rep)).max(initial=0.0),
       dk=np.einsum("bhts,bthd->bshd", dx_mag, np.abs(q)).max(initial=0.0),

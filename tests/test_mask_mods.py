@@ -1,0 +1,219 @@
+"""mask_mod / score_mod beyond the conformance suite: named mask_mods against the built-in arguments,
+tile skipping, the layers and attention_fn, a learned relative bias, and every refusal and bad input.
+(tests/test_conformance.py checks every impl's numbers and gradients against the float64 oracle.)"""
+
+from __future__ import annotations
+
+import haiku as hk
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import flash_layers as fl
+import flash_layers.haiku as fl_haiku
+import flash_layers.nnx as fl_nnx
+from flash_layers.impls.tiling import CpuBlockSizes
+
+B, T, H, KVH, D = 2, 100, 4, 2, 16
+SEG = np.ones((B, T), np.int32)
+SEG[0, 40:] = 2
+SEG[1, 70:] = 3
+SEG[1, 90:] = 0
+
+# (impl, block sizes): xla_chunked also with small chunks, one batch row and kv head per step (the
+# CPU loop) so fully visible chunks take the unmasked branch.
+SERVING = [("reference", None), ("xla_dense", None), ("xla_dense", CpuBlockSizes(loop_bytes=0)),
+           ("xla_native", None), ("xla_chunked", None), ("xla_chunked", CpuBlockSizes(32, 16, loop_bytes=0))]
+
+
+def _qkv(seed=0):
+  rng = np.random.default_rng(seed)
+  q = jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((B, T, KVH, D)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, T, KVH, D)), jnp.float32)
+  return q, k, v
+
+
+BUILTIN_PAIRS = {
+    "causal": (dict(causal=True), dict(mask_mod=fl.masks.causal())),
+    "window": (dict(window=(5, 3)), dict(mask_mod=fl.masks.sliding_window(5, 3))),
+    "document": (dict(segment_ids=SEG), dict(mask_mod=fl.masks.document(), mod_operands=(SEG,))),
+    "document_causal": (dict(segment_ids=SEG, causal=True),
+                        dict(mask_mod=fl.masks.document() & fl.masks.causal(), mod_operands=(SEG,))),
+}
+
+
+@pytest.mark.parametrize("rule", sorted(BUILTIN_PAIRS))
+@pytest.mark.parametrize(("impl", "sizes"), SERVING, ids=lambda x: str(x) if x is None or isinstance(x, str)
+                         else "small_chunks_looped")
+def test_named_mask_mods_equal_the_builtin_arguments(impl, sizes, rule):
+  q, k, v = _qkv()
+  builtin, named = BUILTIN_PAIRS[rule]
+  kw = {} if sizes is None else {"block_sizes": sizes}
+
+  def run(options):
+    f = lambda q, k, v: fl.attention(q, k, v, impl=impl, **options, **kw)  # noqa: E731
+    out = jax.jit(f)(q, k, v)
+    grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    return out, grads
+
+  (out_a, grads_a), (out_b, grads_b) = run(builtin), run(named)
+  np.testing.assert_array_equal(out_a, out_b)
+  for a, b in zip(grads_a, grads_b, strict=True):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_kernels_refuse_mods_by_name_and_say_who_serves_them():
+  q, k, v = _qkv()
+  for platform, impl in (("tpu", "flash_pallas"), ("gpu", "flash_pallas"), ("tpu", "jax_splash")):
+    with fl.interpret_as(platform):
+      for options, feature in ((dict(mask_mod=fl.masks.causal()), "mask_mod"),
+                               (dict(score_mod=lambda s, *_: s), "score_mod")):
+        with pytest.raises(fl.UnsupportedError, match=rf"{impl}.*{feature}.*impls that do: .*xla_chunked"):
+          fl.attention(q, k, v, impl=impl, **options)
+  with pytest.raises(fl.UnsupportedError, match="xla_native.*score_mod"):
+    fl.attention(q, k, v, impl="xla_native", score_mod=lambda s, *_: s)
+  # "auto" for TPU takes the chunked impl instead of refusing.
+  with fl.interpret_as("tpu"):
+    assert fl.explain(q, k, v, mask_mod=fl.masks.causal()).impl != "flash_pallas"
+
+
+def _visible_tiles(visible: np.ndarray, bq: int, bk: int) -> int:
+  """Tiles [bq, bk] of a [t, s] element mask that hold a visible pair."""
+  t, s = visible.shape
+  padded = np.zeros((-(-t // bq) * bq, -(-s // bk) * bk), bool)
+  padded[:t, :s] = visible
+  return int(padded.reshape(padded.shape[0] // bq, bq, -1, bk).any((1, 3)).sum())
+
+
+@pytest.mark.parametrize("name", ["chunked_causal", "prefix_lm", "block_table"])
+def test_xla_chunked_visits_only_the_tiles_a_mask_mod_shows(name):
+  """explain's count comes from the block map xla_chunked runs: exactly the tiles holding a visible
+  pair (computed here from the element mask in NumPy)."""
+  t, bq, bk = 4096, 256, 256
+  i, j = np.arange(t)[:, None], np.arange(t)[None, :]
+  table = np.random.default_rng(1).random((t // 512, t // 512)) < 0.3
+  mods = {"chunked_causal": (fl.masks.chunked_causal(1000), (), (j <= i) & (i // 1000 == j // 1000)),
+          "prefix_lm": (fl.masks.prefix_lm(operand=0), (np.array([700], np.int32),), (j <= i) | (j < 700)),
+          "block_table": (fl.masks.block_table(0, 512, 512), (table,), table[i // 512, j // 512])}
+  mask_mod, operands, visible = mods[name]
+  q = jax.ShapeDtypeStruct((1, t, 1, 32), jnp.float32)
+  ex = fl.explain(q, q, q, impl="xla_chunked", mask_mod=mask_mod, mod_operands=operands,
+                  block_sizes=CpuBlockSizes(bq, bk))
+  assert ex.blocks_visited == _visible_tiles(visible, bq, bk)
+  assert ex.blocks_total == (t // bq) * (t // bk)
+  assert "mask_mod=masks." in str(ex)
+
+
+def test_named_mask_mods_hash_by_value_and_describe_themselves():
+  assert fl.masks.causal() == fl.masks.causal()
+  assert hash(fl.masks.sliding_window(4)) == hash(fl.masks.sliding_window(4, 4))
+  assert fl.masks.prefix_lm(operand=0) != fl.masks.prefix_lm(operand=1)
+  assert (fl.masks.document() & fl.masks.causal()).describe() == (
+      "(masks.Document(operand=0, kv_operand=0) & masks.Causal())")
+  i, j = jnp.arange(12)[:, None], jnp.arange(12)[None, :]
+  np.testing.assert_array_equal(fl.masks.dilated(3)(0, 0, i, j), (i - j) % 3 == 0)
+  np.testing.assert_array_equal((fl.masks.sliding_window(2) | fl.masks.global_tokens(1))(0, 0, i, j),
+                                (abs(i - j) <= 2) | (i < 1) | (j < 1))
+
+
+@pytest.mark.parametrize(("factory", "args", "match"), [
+    (fl.masks.sliding_window, (-1,), "left"),
+    (fl.masks.chunked_causal, (0,), "chunk"),
+    (fl.masks.dilated, (1.5,), "dilation"),
+    (fl.masks.prefix_lm, (), "exactly one"),
+    (fl.masks.document, ("0",), "operand"),
+    (fl.masks.block_table, (0, 0, 8), "block_q"),
+    (fl.masks.all_of, (), "one or more"),
+])
+def test_named_mask_mods_refuse_bad_arguments(factory, args, match):
+  with pytest.raises(ValueError, match=match):
+    factory(*args)
+
+
+def test_bad_mods_are_refused_by_name():
+  q, k, v = _qkv()
+  with pytest.raises(TypeError, match="mask_mod must be a callable"):
+    fl.attention(q, k, v, mask_mod="causal")
+  with pytest.raises(TypeError, match="score_mod must be a callable"):
+    fl.attention(q, k, v, score_mod=1.0)
+  with pytest.raises(TypeError, match="mod_operands must be a tuple"):
+    fl.attention(q, k, v, score_mod=lambda s, *_: s, mod_operands=np.ones(3))
+  with pytest.raises(ValueError, match="mod_operands were given without"):
+    fl.attention(q, k, v, mod_operands=(np.ones(3),))
+  with pytest.raises(TypeError, match=r"mod_operands\[0\] must be an array"):
+    fl.attention(q, k, v, score_mod=lambda s, *_: s, mod_operands=("x",))
+  with pytest.raises(TypeError, match="mask_mod must return a bool array"):
+    fl.attention(q, k, v, impl="xla_chunked", mask_mod=lambda b, h, i, j: i - j)
+  with pytest.raises(TypeError, match="score_mod must return a floating-point array"):
+    fl.attention(q, k, v, impl="reference", score_mod=lambda s, b, h, i, j: i > j)
+  mesh = jax.sharding.AbstractMesh((2,), ("data",))  # refused before any device is needed
+  with pytest.raises(fl.UnsupportedError, match="mask_mod/score_mod on a mesh"):
+    fl.attention(q, k, v, mask_mod=fl.masks.causal(), mesh=mesh)
+
+
+def test_a_relative_bias_table_trains_through_score_mod():
+  """A T5-style table [heads, buckets] read by a score_mod learns the table that made the targets:
+  the loss falls below 5% of its start (xla_chunked, several chunks, the CPU loop)."""
+  rng = np.random.default_rng(0)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, 96, 2, 8)), jnp.float32) for _ in range(3))
+
+  def rel_bias(score, b, h, i, j, table):
+    return score + table[h, jnp.clip(i - j, -4, 4) + 4]
+
+  def attend(table):
+    return fl.attention(q, k, v, impl="xla_chunked", score_mod=rel_bias, mod_operands=(table,),
+                        block_sizes=CpuBlockSizes(32, 32, loop_bytes=0))
+
+  target = attend(jnp.asarray(rng.standard_normal((2, 9)) * 2, jnp.float32))
+  loss = jax.jit(lambda table: jnp.mean((attend(table) - target) ** 2))
+  step = jax.jit(lambda table: table - 20.0 * jax.grad(loss)(table))
+  table = jnp.zeros((2, 9), jnp.float32)
+  start = float(loss(table))
+  for _ in range(150):
+    table = step(table)
+  assert float(loss(table)) < 0.05 * start
+
+
+def test_layers_take_mods_and_their_operands():
+  """linen, NNX and Haiku layers with mask_mod/score_mod fields: the same output as the built-in
+  arguments (causal) and as fl.attention with the same mods (prefix-LM operand)."""
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 32)), jnp.float32)
+  prefix = np.array([5, 12], np.int32)
+  layer = fl.MultiHeadAttention(num_heads=4, impl="xla_chunked", causal=True)
+  params = layer.init(jax.random.key(0), x)
+  modded = fl.MultiHeadAttention(num_heads=4, impl="xla_chunked", mask_mod=fl.masks.causal())
+  np.testing.assert_array_equal(layer.apply(params, x), modded.apply(params, x))
+
+  prefix_layer = fl.MultiHeadAttention(num_heads=4, impl="xla_chunked",
+                                       mask_mod=fl.masks.prefix_lm(operand=0))
+  out = prefix_layer.apply(params, x, mod_operands=(prefix,))
+  causal_out = layer.apply(params, x)
+  assert not np.allclose(out, causal_out)  # the prefix rows see more than the causal ones
+
+  nnx_layer = fl_nnx.MultiHeadAttention(num_heads=4, in_features=32, impl="xla_chunked",
+                                        mask_mod=fl.masks.prefix_lm(operand=0), rngs=nnx.Rngs(0))
+  nnx.update(nnx_layer, nnx.State(fl_nnx.params_from_linen(params["params"])))
+  np.testing.assert_allclose(nnx_layer(x, mod_operands=(prefix,)), out, rtol=1e-6, atol=1e-6)
+
+  def hk_forward(x):
+    return fl_haiku.MultiHeadAttention(num_heads=4, impl="xla_chunked",
+                                       mask_mod=fl.masks.prefix_lm(operand=0))(x, mod_operands=(prefix,))
+
+  hk_params = fl_haiku.params_from_flax(params["params"])
+  np.testing.assert_allclose(hk.transform(hk_forward).apply(hk_params, None, x), out, rtol=1e-6, atol=1e-6)
+  with pytest.raises(TypeError, match="mask_mod must be a callable"):
+    fl.MultiHeadAttention(num_heads=4, mask_mod=True).init(jax.random.key(0), x)
+
+
+def test_attention_fn_takes_mods():
+  x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 24, 32)), jnp.float32)
+  causal = nn.MultiHeadDotProductAttention(num_heads=4, attention_fn=fl.attention_fn(impl="xla_dense"))
+  params = causal.init(jax.random.key(0), x)
+  expected = causal.apply(params, x, mask=nn.make_causal_mask(jnp.ones((2, 24))))
+  modded = nn.MultiHeadDotProductAttention(
+      num_heads=4, attention_fn=fl.attention_fn(impl="xla_dense", mask_mod=fl.masks.causal()))
+  np.testing.assert_allclose(modded.apply(params, x), expected, rtol=1e-6, atol=1e-6)
