@@ -424,7 +424,8 @@ def _run(name: str, query, key, value, request: Request, args: Args):
   if lowering.interpreting() is not None:
     return _run_inline(name, query, key, value, request, args)
   fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(args)}
-  arrays = {f: x for f, x in fields.items() if isinstance(x, (jax.Array, np.ndarray)) or f == "mod_operands"}
+  arrays = {f: x for f, x in fields.items()
+            if isinstance(x, (jax.Array, np.ndarray)) or f in ("mod_operands", "mod_tiles")}
   static = tuple((f, x) for f, x in fields.items() if f not in arrays)
   return _run_jit(query, key, value, arrays, name=name, request=request, static=static,
                   only=lowering.only_platform())

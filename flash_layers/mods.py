@@ -142,8 +142,9 @@ def cast_grads(grads: tuple, operands: tuple) -> tuple:
 def tile_flags(mask_mod: Callable, operands: tuple, *, batch: int, heads, batch_offset, q_offset,
                kv_offset, q_len: int, kv_len: int, block_q: int, block_kv: int, num_q_blocks: int,
                num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
-  """(any, all): bool [b, nq, nk], does the tile hold a pair mask_mod shows (for some head in
-  ``heads``), and are all its pairs shown (for every head, none of them padding)?
+  """(any, all): bool [b|1, nq, nk] (1: the mask does not read the row). Does the tile hold a pair
+  mask_mod shows (for some head in ``heads``)? Are all its pairs shown (for every head, none of them
+  padding)?
 
   Evaluated one q block at a time (`lax.map`), so the memory is one block's [b, h, block_q, kv]
   verdicts, never [q_len, kv_len]. Positions past q_len/kv_len are padding: never shown.
@@ -156,11 +157,11 @@ def tile_flags(mask_mod: Callable, operands: tuple, *, batch: int, heads, batch_
     q_local = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
     idx = Indices(rows.reshape(-1, 1, 1, 1), heads.reshape(1, -1, 1, 1),
                   (q_offset + q_local)[:, None], (kv_offset + kv_local)[None, :])
-    shown = mask(mask_mod, idx, operands)
+    shown = mask(mask_mod, idx, operands)  # [b|1, h|1, bq|1, kv|1]: reduced as it comes, not broadcast
     shown = shown & (q_local < q_len)[:, None] & (kv_local < kv_len)[None, :]
-    shown = jnp.broadcast_to(shown, (batch, heads.shape[0], block_q, kv_local.shape[0]))
-    shown = shown.reshape(batch, heads.shape[0], block_q, num_kv_blocks, block_kv)
-    return shown.any((1, 2, 4)), shown.all((1, 2, 4))
+    rows_, heads_ = shown.shape[0], shown.shape[1]
+    shown = shown.reshape(rows_, heads_, block_q, num_kv_blocks, block_kv)
+    return shown.any((1, 2, 4)), shown.all((1, 2, 4))  # [b|1, nk]
 
-  any_, all_ = jax.lax.map(one, jnp.arange(num_q_blocks, dtype=jnp.int32))  # [nq, b, nk]
-  return jnp.swapaxes(any_, 0, 1), jnp.swapaxes(all_, 0, 1)
+  any_, all_ = jax.lax.map(one, jnp.arange(num_q_blocks, dtype=jnp.int32))  # [nq, b|1, nk]
+  return jnp.swapaxes(any_, 0, 1), jnp.swapaxes(all_, 0, 1)  # [b|1, nq, nk]

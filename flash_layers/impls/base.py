@@ -117,6 +117,9 @@ class Args:
   alibi_slopes: jax.Array | None = None  # float32 [num_heads] of the heads held here
   bias: jax.Array | None = None  # float, rank 4, broadcastable to [b, h, q, kv]
   mod_operands: tuple = ()  # arrays passed to mask_mod and score_mod (flash_layers/mods.py)
+  # A mask_mod's (any, all) tile flags [b|1, nq, nk] for an impl's tiles, when its caller built them
+  # (xla_chunked: once per call, before the CPU loop); None: built where needed.
+  mod_tiles: tuple | None = None
 
 
 # The optional capabilities an impl may declare. Methods: the registry checks that a declared one

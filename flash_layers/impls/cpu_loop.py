@@ -119,11 +119,14 @@ def per_row_and_head(fn: Callable, q, k, v, *, request: Request, args: Args,
       ops[name] = _split_heads(x, kvh)
   if args.alibi_slopes is not None:
     ops["alibi_slopes"] = args.alibi_slopes.reshape(1, kvh, g)
+  if args.mod_tiles is not None:  # [b|1, nq, nk] each: sliced by row, shared by heads
+    ops["mod_any"], ops["mod_all"] = (x[:, None] for x in args.mod_tiles)
 
   def head(x):
     batched = {n: x[n][None] if n in x else None for n in ("q_seg", "kv_seg", "dense_mask", "bias")}
+    mod_tiles = None if args.mod_tiles is None else (x["mod_any"][None], x["mod_all"][None])
     step_args = dataclasses.replace(
-        args, q_segment_ids=batched["q_seg"], kv_segment_ids=batched["kv_seg"],
+        args, mod_tiles=mod_tiles, q_segment_ids=batched["q_seg"], kv_segment_ids=batched["kv_seg"],
         dense_mask=batched["dense_mask"], bias=batched["bias"], alibi_slopes=x.get("alibi_slopes"),
         batch_offset=args.batch_offset + x["rows"], head_offset=args.head_offset + x["heads"] * g)
     extra = [x[f"q_like{i}"][None] for i in range(len(q_like))]

@@ -406,8 +406,17 @@ class XlaChunked:
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
-    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request, args=args,
-                                  tile=self.chunk_shape(request))
+    return cpu_loop.looped_on_cpu(self._attend, q, k, v, request=request,
+                                  args=self._with_mod_tiles(request, args), tile=self.chunk_shape(request))
+
+  def _with_mod_tiles(self, request: Request, args: Args) -> Args:
+    """args with a mask_mod's tile flags built once for the whole call (every row and head), so the
+    CPU loop's steps slice them instead of evaluating the mask again."""
+    if request.mask_mod is None or args.mod_tiles is not None:
+      return args
+    bq, bk = self.chunk_shape(request)
+    nq, nk = -(-request.q_len // bq), -(-request.kv_len // bk)
+    return dataclasses.replace(args, mod_tiles=_mod_tiles(request, args, bq, bk, nq, nk))
 
   def _attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, d = q.shape
@@ -425,8 +434,8 @@ class XlaChunked:
     alone (each visited chunk's probabilities from lse), no forward."""
     return cpu_loop.looped_on_cpu(
         lambda q, k, v, d_out, lse, delta, **kw: self._backward(q, k, v, lse, delta, d_out, **kw),
-        q, k, v, request=request, args=args, tile=self.chunk_shape(request), q_like=(d_out,),
-        stats=(lse, delta))
+        q, k, v, request=request, args=self._with_mod_tiles(request, args), tile=self.chunk_shape(request),
+        q_like=(d_out,), stats=(lse, delta))
 
   def _backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     b, t, h, d = q.shape
@@ -478,7 +487,8 @@ class XlaChunked:
       dm = jnp.broadcast_to(dm, (dm.shape[0], dm.shape[1], t, s))
       dense = pad_to(pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
     bm = masks.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
-                         args.q_offset, args.kv_offset, tiles=_mod_tiles(request, args, bq, bk, nq, nk))
+                         args.q_offset, args.kv_offset,
+                         tiles=args.mod_tiles or _mod_tiles(request, args, bq, bk, nq, nk))
     bias = None
     if args.bias is not None:  # [b|1, h|1, tp, sp]; padded entries are masked anyway
       bias = jnp.broadcast_to(args.bias, (*args.bias.shape[:2], t, s))
