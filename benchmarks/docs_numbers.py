@@ -346,6 +346,21 @@ REGISTRY.update({
        for layers, f, n in (("1layer", _EVAL_1, 5), ("6layers", _EVAL_6, 3)) for op in ("min", "max")},
 })
 
+_MASK_MOD = "mask-mod-cpu-2026-12-03.json"
+_MASK_MOD_SHAPES = ("2x4096x12x32", "1x8192x4x64")
+_MASK_MOD_VARIANTS = ("builtin_causal", "mask_mod_causal", "mask_mod_prefix_lm", "mask_mod_chunked_causal")
+REGISTRY.update({
+    **{f"maskmod.{shape}.{variant}.{p}.{what}":
+       Number(_MASK_MOD, f"rows.[shape={shape},variant={variant},pass={p}].{path}", fmt)
+       for shape in _MASK_MOD_SHAPES for variant in _MASK_MOD_VARIANTS for p in ("fwd", "fwd+bwd")
+       for what, path, fmt in (("cpu_s", "cpu_s", ".2f"), ("ratio", "vs_builtin_causal", ".2f"),
+                               ("blocks", "blocks_visited", "d")) if what != "blocks" or p == "fwd"},
+    **{f"maskmod.flags_s.{name}": Number(_MASK_MOD, f"tile_flags.[mask_mod={name}].cpu_s", ".2f")
+       for name in ("causal", "prefix_lm", "chunked_causal")},
+    **{f"maskmod.flags_tiles.{name}": Number(_MASK_MOD, f"tile_flags.[mask_mod={name}].tiles_nonempty", ",d")
+       for name in ("causal", "prefix_lm", "chunked_causal")},
+})
+
 _STRICT = "strict-tier-cpu-2026-12-03.json"
 REGISTRY.update({
     "strict.cpu_s": Number(_STRICT, "strict_tier.cpu_seconds_total", ".0f"),

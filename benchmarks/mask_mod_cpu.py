@@ -1,9 +1,10 @@
 """`python -m benchmarks.mask_mod_cpu [--json F]`: what a mask_mod costs on the CPU (xla_chunked).
 
-Per shape: the forward and forward+backward process CPU time of `causal=True` (the built-in rule,
-its arithmetic block plan) against the same mask as `mask_mod=fl.masks.causal()` (evaluated per
-tile, its block flags from `mods.tile_flags`), and two masks only a mask_mod can express: a
-prefix-LM with a per-row prefix operand and Llama-4 style chunked causal. Rounds interleave the
+Per shape: the forward and forward+backward process CPU time of `causal=True` ("builtin_causal": the
+built-in rule, its arithmetic block plan) against the same mask as `mask_mod=fl.masks.causal()`
+("mask_mod_causal": evaluated per tile, its block flags from `mods.tile_flags`), and two masks only a
+mask_mod can express: a prefix-LM with a per-row prefix operand of length/4 ("mask_mod_prefix_lm") and
+Llama-4 style chunked causal with chunks of 1,024 ("mask_mod_chunked_causal"). Rounds interleave the
 variants; each cell is the minimum over rounds of the per-call CPU time. Also the CPU time of
 building a mask_mod's tile flags alone (the block plan) for a 32k-token row.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import resource
 import time
@@ -33,11 +35,11 @@ def _cpu() -> float:
 def _variants(batch: int, length: int) -> dict:
   prefix = np.full((batch,), length // 4, np.int32)
   return {
-      "causal=True": dict(causal=True),
-      "mask_mod=masks.causal()": dict(mask_mod=fl.masks.causal()),
-      "mask_mod=masks.prefix_lm(operand)": dict(mask_mod=fl.masks.prefix_lm(operand=0),
+      "builtin_causal": dict(causal=True),
+      "mask_mod_causal": dict(mask_mod=fl.masks.causal()),
+      "mask_mod_prefix_lm": dict(mask_mod=fl.masks.prefix_lm(operand=0),
                                                 mod_operands=(prefix,)),
-      "mask_mod=masks.chunked_causal(1024)": dict(mask_mod=fl.masks.chunked_causal(1024)),
+      "mask_mod_chunked_causal": dict(mask_mod=fl.masks.chunked_causal(1024)),
   }
 
 
@@ -73,12 +75,12 @@ def run(shapes, rounds: int) -> dict:
         times[key].append(_timed(fn, (q, k, v), 1))
     for (name, pass_), ts in times.items():
       ex = fl.explain(q, k, v, impl="xla_chunked", **variants[name])
-      rows.append({"shape": list(shape), "variant": name, "pass": pass_, "cpu_s": min(ts), "cpu_s_rounds": ts,
-                   "blocks_visited": ex.blocks_visited, "blocks_total": ex.blocks_total})
+      rows.append({"shape": "x".join(map(str, shape)), "variant": name, "pass": pass_, "cpu_s": min(ts),
+                   "cpu_s_rounds": ts, "blocks_visited": ex.blocks_visited, "blocks_total": ex.blocks_total})
   for row in rows:
     base = next(r for r in rows if r["shape"] == row["shape"] and r["pass"] == row["pass"]
-                and r["variant"] == "causal=True")
-    row["vs_causal_true"] = row["cpu_s"] / base["cpu_s"]
+                and r["variant"] == "builtin_causal")
+    row["vs_builtin_causal"] = row["cpu_s"] / base["cpu_s"]
   return {"rows": rows, "tile_flags": _tile_flag_cost()}
 
 
@@ -101,6 +103,16 @@ def _tile_flag_cost() -> list[dict]:
   return out
 
 
+def _hardware() -> str:
+  model = platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      model = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  return f"{os.cpu_count()}-core {model}, CPU only"
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m benchmarks.mask_mod_cpu", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -111,13 +123,14 @@ def main(argv=None) -> int:
   shapes = [(1, 1024, 2, 32)] if args.quick else [(2, 4096, 12, 32), (1, 8192, 4, 64)]
   start = time.time()
   result = {"benchmark": "mask_mod on the CPU (xla_chunked)", "date": datetime.date.today().isoformat(),
-            "hardware": f"{platform.processor() or platform.machine()}, CPU only", "jax": jax.__version__,
+            "hardware": _hardware(), "jax": jax.__version__,
             "command": "python -m benchmarks.mask_mod_cpu" + (" --quick" if args.quick else ""),
             **run(shapes, 1 if args.quick else args.rounds)}
   result["wall_s"] = time.time() - start
   for row in result["rows"]:
-    print(f"{row['shape']} {row['pass']:8s} {row['variant']:38s} {row['cpu_s']:.3f} CPU-s "
-          f"({row['vs_causal_true']:.2f}x causal=True), blocks {row['blocks_visited']}/{row['blocks_total']}")
+    print(f"{row['shape']} {row['pass']:8s} {row['variant']:24s} {row['cpu_s']:.3f} CPU-s "
+          f"({row['vs_builtin_causal']:.2f}x causal=True), "
+          f"blocks {row['blocks_visited']}/{row['blocks_total']}")
   for row in result["tile_flags"]:
     print(f"tile flags {row['mask_mod']} at {row['length']}: {row['cpu_s']:.3f} CPU-s, "
           f"{row['tiles_nonempty']}/{row['tiles']} tiles non-empty")

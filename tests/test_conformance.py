@@ -654,7 +654,8 @@ def random_configs(draw):
       head_dim_v=draw(st.sampled_from([head_dim, head_dim, 32])), causal=draw(st.booleans()),
       window=window, segments=draw(st.sampled_from([None, "packed", "orphans"])),
       softcap=draw(st.sampled_from([None, None, 4.0])),
-      scale=draw(st.sampled_from([None, None, 0.3])), input_scale=1.5, sinks=draw(st.booleans()))
+      scale=draw(st.sampled_from([None, None, 0.3])), input_scale=1.5, sinks=draw(st.booleans()),
+      mods=draw(st.sampled_from([None, None, *sorted(MOD_SCENARIOS)])))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c not in SUBSETS and c[1] is None], ids=_case_id)
