@@ -13,15 +13,17 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from flash_layers import dispatch, lowering, mods
 from flash_layers.dispatch import AUTO, attend, choose, prepare
 from flash_layers.impls import REGISTRY, UnsupportedError, registry
+from flash_layers.impls.xla_chunked import chunk_size
 from flash_layers.parallel import sharded
 from flash_layers.tuning import tuner
 from flash_layers.tuning.cache import AUTOTUNE
 
-__all__ = ["AUTO", "Explanation", "attention", "explain"]
+__all__ = ["AUTO", "Explanation", "attention", "block_mask", "explain"]
 
 
 # ----------------------------------------------------------------------------
@@ -37,7 +39,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               alibi_slopes: jax.Array | None = None, bias: jax.Array | None = None,
               precision: str | jax.lax.Precision | None = None, block_sizes: Any = None,
               mesh: Any = None, sinks: jax.Array | None = None, mask_mod: Callable | None = None,
-              score_mod: Callable | None = None, mod_operands: tuple | None = None) -> jax.Array:
+              score_mod: Callable | None = None, mod_operands: tuple | None = None,
+              block_mask: Any = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -83,6 +86,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       xla_chunked.
     mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/mods.py).
       Gradients reach the floating-point ones.
+    block_mask: a `flash_layers.block_mask(mask_mod, ...)`: the mask_mod evaluated on the tile grid
+      once, for every layer to reuse (it brings its mask_mod, and its tiles as xla_chunked's chunks).
     Order: logits = scale * q.k + alibi + bias, then score_mod, then softcap, then the mask
       (built-in rules and mask_mod), softmax in float32 (its denominator holding the sinks), then
       dropout.
@@ -111,7 +116,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
              block_sizes=block_sizes, global_tokens=global_tokens, dropout_rate=dropout_rate,
              dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes,
              bias=bias, precision=precision, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
-             mod_operands=mod_operands)
+             mod_operands=mod_operands, block_mask=block_mask)
 
 
 def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO, mesh: Any = None,
@@ -225,3 +230,28 @@ def _describe_mods(request) -> str | None:
   parts = [f"{name}={mods.describe(fn)}" for name, fn in (("mask_mod", request.mask_mod),
                                                           ("score_mod", request.score_mod)) if fn is not None]
   return ", ".join(parts) or None
+
+
+def block_mask(mask_mod: Callable, *, batch: int, q_len: int, kv_len: int | None = None,
+               num_heads: int = 1, mod_operands: tuple = (), block_q: int = 512,
+               block_kv: int = 512) -> mods.BlockMask:
+  """``fl.block_mask``: evaluate ``mask_mod`` on the tile grid of xla_chunked's chunks once, and pass
+  the result as ``fl.attention(..., block_mask=bm)`` (or a layer's ``block_mask=``) to every layer:
+  the calls then skip the tiles it hides and run the ones it fully shows unmasked, without evaluating
+  the mask per tile grid again. block_q / block_kv are chunk targets (`xla_chunked.chunk_size`
+  fits them to the lengths). Works under jit (traced operands)."""
+  if not callable(mask_mod):
+    raise TypeError("mask_mod must be a callable (b, h, q_idx, kv_idx, *mod_operands) -> bool; "
+                    f"got {type(mask_mod).__name__}")
+  kv_len = q_len if kv_len is None else kv_len
+  for name, value in (("batch", batch), ("q_len", q_len), ("kv_len", kv_len), ("num_heads", num_heads),
+                      ("block_q", block_q), ("block_kv", block_kv)):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+      raise ValueError(f"block_mask {name} must be an int >= 1; got {value!r}")
+  bq, bk = chunk_size(q_len, block_q), chunk_size(kv_len, block_kv)
+  nq, nk = -(-q_len // bq), -(-kv_len // bk)
+  operands = tuple(jnp.asarray(x) for x in (mod_operands or ()))
+  any_, all_ = mods.tile_flags(mask_mod, operands, batch=batch, heads=jnp.arange(num_heads), batch_offset=0,
+                          q_offset=0, kv_offset=0, q_len=q_len, kv_len=kv_len, block_q=bq, block_kv=bk,
+                          num_q_blocks=nq, num_kv_blocks=nk)
+  return mods.BlockMask(any_, all_, mask_mod, q_len, kv_len, bq, bk)

@@ -281,7 +281,8 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
             window=None, scale=None, softcap=None, block_sizes=None, dense_mask=None,
             q_offset=0, kv_offset=0, global_tokens=0, dropout_rate=0.0, dropout_rng=None,
             dropout_broadcast=False, alibi_slopes=None, bias=None,
-            precision=None, mask_mod=None, score_mod=None, mod_operands=None) -> tuple[Request, Args]:
+            precision=None, mask_mod=None, score_mod=None, mod_operands=None,
+            block_mask=None) -> tuple[Request, Args]:
   """Validate a call; return its static Request and array Args (with global tokens, the segment
   ids are encoded here, on the whole sequence: masks.encode_global)."""
   _check_qkv(query, key, value)
@@ -319,6 +320,7 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   slopes = _check_alibi(alibi_slopes, h)
   bias = _check_bias(bias, (b, h, t, s))
   precision = resolve_precision(precision, query.dtype)
+  mask_mod, tiles, mod_tiles = _check_block_mask(block_mask, mask_mod, block_sizes, b, t, s)
   mask_mod, score_mod, operands = mods.check(mask_mod, score_mod, mod_operands, as_array)
   if isinstance(block_sizes, str) and block_sizes != tuning_cache.AUTOTUNE:
     raise ValueError(f"block_sizes must be a block-size object, None or {tuning_cache.AUTOTUNE!r}; "
@@ -332,9 +334,31 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
       scale=d ** -0.5 if scale is None else scale, softcap=softcap,
       has_dense_mask=dense_mask is not None, block_sizes=block_sizes, dropout_rate=rate,
       dropout_broadcast=broadcast, has_alibi=slopes is not None, has_bias=bias is not None,
-      precision=precision, mask_mod=mask_mod, score_mod=score_mod)
+      precision=precision, mask_mod=mask_mod, score_mod=score_mod, block_mask_tiles=tiles)
   return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask, dropout_seed=seed,
-                       alibi_slopes=slopes, bias=bias, mod_operands=operands)
+                       alibi_slopes=slopes, bias=bias, mod_operands=operands, mod_tiles=mod_tiles)
+
+
+def _check_block_mask(bm, mask_mod, block_sizes, batch: int, q_len: int, kv_len: int):
+  """(mask_mod, (block_q, block_kv) or None, tile flags or None) of a call given `block_mask=`
+  (`mods.block_mask`): its mask_mod, its tiles as xla_chunked's chunks, its flags for every layer."""
+  if bm is None:
+    return mask_mod, None, None
+  if not isinstance(bm, mods.BlockMask):
+    raise TypeError(f"block_mask must be a flash_layers.block_mask(...) result; got {type(bm).__name__}")
+  if mask_mod is not None and mask_mod != bm.mask_mod:
+    raise ValueError("mask_mod differs from the block_mask's own; pass one of them (block_mask carries its "
+                     "mask_mod)")
+  if (bm.q_len, bm.kv_len) != (q_len, kv_len) or bm.any.shape[0] not in (1, batch):
+    raise ValueError(f"block_mask was built for q_len {bm.q_len}, kv_len {bm.kv_len} with tile flags for "
+                     f"{bm.any.shape[0]} row(s) (1: shared by every row); this call has batch {batch}, "
+                     f"q_len {q_len}, kv_len {kv_len}")
+  if isinstance(block_sizes, tiling.CpuBlockSizes) and any(
+      size not in (None, mine) for size, mine in ((block_sizes.block_q, bm.block_q),
+                                                  (block_sizes.block_kv, bm.block_kv))):
+    raise ValueError(f"block_sizes={block_sizes!r} differ from the block_mask's tiles "
+                     f"({bm.block_q}, {bm.block_kv}); the block_mask sets xla_chunked's chunks")
+  return bm.mask_mod, (bm.block_q, bm.block_kv), (bm.any, bm.all)
 
 
 # ----------------------------------------------------------------------------

@@ -77,7 +77,8 @@ class MultiHeadAttention(hk.Module):
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-               deterministic: bool = True, mod_operands: tuple | None = None) -> jax.Array:
+               deterministic: bool = True, mod_operands: tuple | None = None,
+               block_mask: Any = None) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
     segment_ids, kv_segment_ids, positions, kv_positions, mod_operands as in the Flax layer.
@@ -96,7 +97,7 @@ class MultiHeadAttention(hk.Module):
     sinks = (hk.get_parameter("sinks", (self.num_heads,), jnp.float32, init=self.sinks_init)
              if self.use_sinks else None)
     out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                              mod_operands)
+                              mod_operands, block_mask)
     return _dense(self, "out", out, (dims.num_heads, dims.head_dim_v, dims.out_features), 2)
 
 

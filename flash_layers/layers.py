@@ -159,10 +159,10 @@ def rotate_heads(layer, query, key, positions, kv_positions, self_attention: boo
 
 
 def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
-                 mod_operands=None):
+                 mod_operands=None, block_mask=None):
   """`fl.attention` with the layer's attention fields; dropout applies when given a key; `sinks`:
   the layer's sink logits [num_heads] (use_sinks) or None; `mod_operands`: the call's, for the
-  layer's mask_mod / score_mod."""
+  layer's mask_mod / score_mod; `block_mask`: a prebuilt `fl.block_mask` of that mask_mod."""
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                        window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
@@ -171,7 +171,8 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_
                        dropout_rng=dropout_rng, alibi_slopes=alibi_slopes(layer),
                        precision=layer.precision,
                        block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None), sinks=sinks,
-                       mask_mod=layer.mask_mod, score_mod=layer.score_mod, mod_operands=mod_operands)
+                       mask_mod=layer.mask_mod, score_mod=layer.score_mod, mod_operands=mod_operands,
+                       block_mask=block_mask)
 
 
 # ----------------------------------------------------------------------------
@@ -307,11 +308,13 @@ class MultiHeadAttention(nn.Module):
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-               deterministic: bool = True, mod_operands: tuple | None = None) -> jax.Array:
+               deterministic: bool = True, mod_operands: tuple | None = None,
+               block_mask: Any = None) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
-    mod_operands: arrays for the layer's mask_mod / score_mod (as `fl.attention`'s).
+    mod_operands: arrays for the layer's mask_mod / score_mod (as `fl.attention`'s); block_mask: a
+    `fl.block_mask` of the layer's mask_mod, built once for every layer of the model.
     positions [batch, q_len] / kv_positions [batch, kv_len]: int positions for the rotary
     embeddings (with rope_theta; e.g. restarting per packed document). None: 0, 1, ... for the
     queries; kv_positions default to positions in self-attention.
@@ -332,7 +335,7 @@ class MultiHeadAttention(nn.Module):
     sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
              else None)
     out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                       mod_operands)
+                       mod_operands, block_mask)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
 
 

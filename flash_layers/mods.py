@@ -21,6 +21,7 @@ sparsity (`tile_flags`). The named mask_mods users compose are in `flash_layers.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -165,3 +166,27 @@ def tile_flags(mask_mod: Callable, operands: tuple, *, batch: int, heads, batch_
 
   any_, all_ = jax.lax.map(one, jnp.arange(num_q_blocks, dtype=jnp.int32))  # [nq, b|1, nk]
   return jnp.swapaxes(any_, 0, 1), jnp.swapaxes(all_, 0, 1)  # [b|1, nq, nk]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class BlockMask:
+  """A mask_mod evaluated on a tile grid once, for every layer of a model to reuse (`block_mask`).
+
+  ``any`` / ``all``: bool [b|1, nq, nk], the tiles holding a pair the mask shows / holding only such
+  pairs (over the heads it was built for). Memory: 2 * nq * nk bytes per row (1 row when the mask
+  does not read the row): 32 KiB for a 32k x 32k grid of 512 x 512 tiles.
+  """
+
+  any: jax.Array
+  all: jax.Array
+  mask_mod: Any = dataclasses.field(metadata={"static": True})
+  q_len: int = dataclasses.field(metadata={"static": True})
+  kv_len: int = dataclasses.field(metadata={"static": True})
+  block_q: int = dataclasses.field(metadata={"static": True})
+  block_kv: int = dataclasses.field(metadata={"static": True})
+
+  @property
+  def tiles_visited(self) -> jax.Array:
+    return self.any.sum()
+

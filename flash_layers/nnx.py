@@ -123,7 +123,8 @@ class MultiHeadAttention(nnx.Module):
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool | None = None,
                rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
-               mod_operands: tuple | None = None) -> jax.Array:
+               mod_operands: tuple | None = None,
+               block_mask: Any = None) -> jax.Array:
     """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
@@ -148,7 +149,7 @@ class MultiHeadAttention(nnx.Module):
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     sinks = None if self.sinks is None else self.sinks[...]
     out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                              mod_operands)
+                              mod_operands, block_mask)
     return self.out(out)
 
   def _dropout_key(self, rngs) -> jax.Array:

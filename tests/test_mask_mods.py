@@ -217,3 +217,50 @@ def test_attention_fn_takes_mods():
   modded = nn.MultiHeadDotProductAttention(
       num_heads=4, attention_fn=fl.attention_fn(impl="xla_dense", mask_mod=fl.masks.causal()))
   np.testing.assert_allclose(modded.apply(params, x), expected, rtol=1e-6, atol=1e-6)
+
+
+def test_a_prebuilt_block_mask_is_reused_by_every_layer(monkeypatch):
+  """fl.block_mask evaluates the mask_mod on the tile grid once; two attention calls (two layers)
+  given it evaluate no tile flags of their own, and give what the mask_mod alone gives."""
+  from flash_layers import mods
+
+  q, k, v = _qkv()
+  prefix = jnp.array([10, 60], jnp.int32)
+  mm = fl.masks.prefix_lm(operand=0)
+  calls = []
+  real = mods.tile_flags
+  monkeypatch.setattr(mods, "tile_flags", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+
+  @jax.jit
+  def two_layers(q, k, v, prefix):
+    bm = fl.block_mask(mm, batch=B, q_len=T, mod_operands=(prefix,), block_q=32, block_kv=16)
+    x = fl.attention(q, k, v, impl="xla_chunked", block_mask=bm, mod_operands=(prefix,))
+    return fl.attention(x, k, v, impl="xla_chunked", block_mask=bm, mod_operands=(prefix,))
+
+  out = two_layers(q, k, v, prefix)
+  assert len(calls) == 1
+  x = fl.attention(q, k, v, impl="reference", mask_mod=mm, mod_operands=(prefix,))
+  expected = fl.attention(x, k, v, impl="reference", mask_mod=mm, mod_operands=(prefix,))
+  np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+  bm = fl.block_mask(mm, batch=B, q_len=T, mod_operands=(prefix,), block_q=32, block_kv=16)
+  assert (bm.block_q, bm.block_kv, bm.any.shape) == (32, 16, (B, 4, 7))
+  ex = fl.explain(q, k, v, impl="xla_chunked", block_mask=bm, mod_operands=(prefix,))
+  assert ex.blocks_visited == int(bm.tiles_visited) * H
+
+
+def test_block_mask_mismatches_are_refused():
+  q, k, v = _qkv()
+  bm = fl.block_mask(fl.masks.causal(), batch=B, q_len=T, block_q=32, block_kv=32)
+  with pytest.raises(ValueError, match="mask_mod differs from the block_mask"):
+    fl.attention(q, k, v, block_mask=bm, mask_mod=fl.masks.sliding_window(3))
+  with pytest.raises(ValueError, match="block_mask was built for q_len 100, kv_len 100"):
+    fl.attention(q[:, :50], k[:, :50], v[:, :50], block_mask=bm)
+  with pytest.raises(ValueError, match="differ from the block_mask's tiles"):
+    fl.attention(q, k, v, impl="xla_chunked", block_mask=bm, block_sizes=CpuBlockSizes(64, 64))
+  with pytest.raises(TypeError, match="block_mask must be a flash_layers.block_mask"):
+    fl.attention(q, k, v, block_mask=np.ones((2, 4, 4), bool))
+  with pytest.raises(ValueError, match="block_mask q_len must be an int >= 1"):
+    fl.block_mask(fl.masks.causal(), batch=1, q_len=0)
+  # Served by every impl that serves mask_mod: the dense ones evaluate the mask elementwise.
+  np.testing.assert_array_equal(fl.attention(q, k, v, impl="xla_dense", block_mask=bm),
+                                fl.attention(q, k, v, impl="xla_dense", causal=True))

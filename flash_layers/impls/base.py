@@ -92,6 +92,8 @@ class Request:
   # reuse it, or each call is a new trace).
   mask_mod: Any = None
   score_mod: Any = None
+  # A prebuilt block_mask's (block_q, block_kv) (mods.block_mask): xla_chunked's chunks then.
+  block_mask_tiles: tuple[int, int] | None = None
 
   @property
   def has_mods(self) -> bool:

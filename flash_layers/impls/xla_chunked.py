@@ -385,8 +385,10 @@ class XlaChunked:
     return "xla"
 
   def chunk_shape(self, request: Request) -> tuple[int, int]:
-    """(q, kv) chunk lengths: the request's `CpuBlockSizes` (tuned, flash_layers/tuning) where set,
-    else this impl's defaults."""
+    """(q, kv) chunk lengths: a prebuilt block_mask's tiles, else the request's `CpuBlockSizes` (tuned,
+    flash_layers/tuning) where set, else this impl's defaults."""
+    if request.block_mask_tiles is not None:
+      return request.block_mask_tiles
     sizes = request.block_sizes if isinstance(request.block_sizes, CpuBlockSizes) else CpuBlockSizes()
     return (chunk_size(request.q_len, sizes.block_q or self.block_q),
             chunk_size(request.kv_len, sizes.block_kv or self.block_kv))
@@ -400,7 +402,8 @@ class XlaChunked:
       if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
         return None
       nq, nk = -(-request.q_len // bq), -(-request.kv_len // bk)
-      tiles = functools.partial(_mod_tiles, request, args, bq, bk, nq, nk)
+      tiles = ((lambda: args.mod_tiles) if args.mod_tiles is not None  # a prebuilt block_mask's
+               else functools.partial(_mod_tiles, request, args, bq, bk, nq, nk))
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              bq, bk, request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
@@ -412,10 +415,15 @@ class XlaChunked:
   def _with_mod_tiles(self, request: Request, args: Args) -> Args:
     """args with a mask_mod's tile flags built once for the whole call (every row and head), so the
     CPU loop's steps slice them instead of evaluating the mask again."""
-    if request.mask_mod is None or args.mod_tiles is not None:
+    if request.mask_mod is None:
       return args
     bq, bk = self.chunk_shape(request)
     nq, nk = -(-request.q_len // bq), -(-request.kv_len // bk)
+    if args.mod_tiles is not None:  # a prebuilt block_mask (mods.block_mask): its grid must be ours
+      if tuple(args.mod_tiles[0].shape[1:]) != (nq, nk):
+        raise ValueError(f"block_mask has a {tuple(args.mod_tiles[0].shape[1:])} tile grid; xla_chunked runs "
+                         f"({nq}, {nk}) chunks of ({bq}, {bk}) here")
+      return args
     return dataclasses.replace(args, mod_tiles=_mod_tiles(request, args, bq, bk, nq, nk))
 
   def _attend(self, q, k, v, *, request: Request, args: Args):
