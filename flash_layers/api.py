@@ -223,12 +223,20 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   sharding = None if plan is None else plan.describe(request)
   return Explanation(name, chosen.kernel(request, here), reason, visited, total, sharding, steps, source,
                      local.block_sizes if source != "default" else None, sinks is not None,
-                     _describe_mods(request))
+                     _describe_mods(request, args, name))
 
 
-def _describe_mods(request) -> str | None:
+def _describe_mods(request, args, impl: str) -> str | None:
+  """The call's mods by name; for a block-sparse impl, where its mask_mod's tile flags come from and
+  what building them costs."""
   parts = [f"{name}={mods.describe(fn)}" for name, fn in (("mask_mod", request.mask_mod),
                                                           ("score_mod", request.score_mod)) if fn is not None]
+  if request.mask_mod is not None and registry.impl_has(impl, "block_stats"):
+    if args.mod_tiles is not None:
+      parts.append("tile flags from the block_mask")
+    else:
+      parts.append(f"tile flags built by this call: mask_mod evaluated on {request.q_len * request.kv_len:,} "
+                   "pairs per row (fl.block_mask builds them once for every layer)")
   return ", ".join(parts) or None
 
 

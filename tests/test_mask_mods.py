@@ -246,6 +246,9 @@ def test_a_prebuilt_block_mask_is_reused_by_every_layer(monkeypatch):
   assert (bm.block_q, bm.block_kv, bm.any.shape) == (32, 16, (B, 4, 7))
   ex = fl.explain(q, k, v, impl="xla_chunked", block_mask=bm, mod_operands=(prefix,))
   assert ex.blocks_visited == int(bm.tiles_visited) * H
+  assert "tile flags from the block_mask" in str(ex)
+  built = fl.explain(q, k, v, impl="xla_chunked", mask_mod=mm, mod_operands=(prefix,))
+  assert "mask_mod evaluated on 10,000 pairs per row" in str(built)
 
 
 def test_block_mask_mismatches_are_refused():
