@@ -120,28 +120,26 @@ class _BlockTable(_MaskMod):
 
 @dataclasses.dataclass(frozen=True)
 class _AllOf(_MaskMod):
+  """Visible where every mod says so; `_AnyOf` changes only the combining op and its symbol."""
+
   mods: tuple
+  _combine = staticmethod(jnp.logical_and)
+  _symbol = "&"
 
   def __call__(self, b, h, q_idx, kv_idx, *operands):
     out = self.mods[0](b, h, q_idx, kv_idx, *operands)
     for mod in self.mods[1:]:
-      out = jnp.logical_and(out, mod(b, h, q_idx, kv_idx, *operands))
+      out = self._combine(out, mod(b, h, q_idx, kv_idx, *operands))
     return out
 
   def describe(self) -> str:
-    return "(" + " & ".join(_name(m) for m in self.mods) + ")"
+    return "(" + f" {self._symbol} ".join(_name(m) for m in self.mods) + ")"
 
 
 @dataclasses.dataclass(frozen=True)
 class _AnyOf(_AllOf):
-  def __call__(self, b, h, q_idx, kv_idx, *operands):
-    out = self.mods[0](b, h, q_idx, kv_idx, *operands)
-    for mod in self.mods[1:]:
-      out = jnp.logical_or(out, mod(b, h, q_idx, kv_idx, *operands))
-    return out
-
-  def describe(self) -> str:
-    return "(" + " | ".join(_name(m) for m in self.mods) + ")"
+  _combine = staticmethod(jnp.logical_or)
+  _symbol = "|"
 
 
 def _name(mod) -> str:

@@ -71,8 +71,9 @@ class Reference:
       dm = jnp.broadcast_to(args.dense_mask, (b, h, t, k.shape[1]))
       mask = mask & dm.reshape(b, kvh, g, t, k.shape[1])
     s = k.shape[1]
-    idx = mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
-                             b, kvh, g, t, s)
+    if request.has_mods:
+      idx = mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
+                               b, kvh, g, t, s)
     if request.mask_mod is not None:
       mask = mask & mods.mask(request.mask_mod, idx, args.mod_operands)
     score_fn = None

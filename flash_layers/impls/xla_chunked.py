@@ -396,16 +396,13 @@ class XlaChunked:
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(chunk pairs visited, total) over batch and heads; None when segment ids or mod_operands are
     traced. With a mask_mod, a chunk pair counts when it shows a pair to some head."""
-    bq, bk = self.chunk_shape(request)
     tiles = None
     if request.mask_mod is not None:
       if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
         return None
-      nq, nk = -(-request.q_len // bq), -(-request.kv_len // bk)
-      tiles = ((lambda: args.mod_tiles) if args.mod_tiles is not None  # a prebuilt block_mask's
-               else functools.partial(_mod_tiles, request, args, bq, bk, nq, nk))
+      tiles = lambda: self._with_mod_tiles(request, args).mod_tiles  # noqa: E731  (the flags attend uses)
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
-                             bq, bk, request.spec, args.q_segment_ids,
+                             *self.chunk_shape(request), request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
@@ -418,13 +415,13 @@ class XlaChunked:
     if request.mask_mod is None:
       return args
     bq, bk = self.chunk_shape(request)
-    nq, nk = -(-request.q_len // bq), -(-request.kv_len // bk)
     if args.mod_tiles is not None:  # a prebuilt block_mask (mods.block_mask): its grid must be ours
-      if tuple(args.mod_tiles[0].shape[1:]) != (nq, nk):
+      grid = (-(-request.q_len // bq), -(-request.kv_len // bk))
+      if tuple(args.mod_tiles[0].shape[1:]) != grid:
         raise ValueError(f"block_mask has a {tuple(args.mod_tiles[0].shape[1:])} tile grid; xla_chunked runs "
-                         f"({nq}, {nk}) chunks of ({bq}, {bk}) here")
+                         f"{grid} chunks of ({bq}, {bk}) here")
       return args
-    return dataclasses.replace(args, mod_tiles=_mod_tiles(request, args, bq, bk, nq, nk))
+    return dataclasses.replace(args, mod_tiles=_mod_tiles(request, args, bq, bk))
 
   def _attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, d = q.shape
@@ -495,8 +492,7 @@ class XlaChunked:
       dm = jnp.broadcast_to(dm, (dm.shape[0], dm.shape[1], t, s))
       dense = pad_to(pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
     bm = masks.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
-                         args.q_offset, args.kv_offset,
-                         tiles=args.mod_tiles or _mod_tiles(request, args, bq, bk, nq, nk))
+                         args.q_offset, args.kv_offset, tiles=args.mod_tiles)  # set by _with_mod_tiles
     bias = None
     if args.bias is not None:  # [b|1, h|1, tp, sp]; padded entries are masked anyway
       bias = jnp.broadcast_to(args.bias, (*args.bias.shape[:2], t, s))
@@ -509,13 +505,10 @@ class XlaChunked:
     return st, (qc, kc, vc), q_seg, kv_seg, bm, extras
 
 
-def _mod_tiles(request: Request, args: Args, bq: int, bk: int, nq: int, nk: int):
-  """A mask_mod's (any, all) tile flags [b|1, nq, nk] over the call's heads, or None without one."""
-  if request.mask_mod is None:
-    return None
+def _mod_tiles(request: Request, args: Args, bq: int, bk: int):
+  """A mask_mod's (any, all) tile flags [b|1, nq, nk] over the call's heads, for chunks (bq, bk)."""
   heads = args.head_offset + jnp.arange(request.num_heads, dtype=jnp.int32)
   return mods.tile_flags(request.mask_mod, args.mod_operands, batch=request.batch, heads=heads,
                          batch_offset=args.batch_offset, q_offset=args.q_offset, kv_offset=args.kv_offset,
                          q_len=request.q_len, kv_len=request.kv_len, block_q=bq, block_kv=bk,
-                         num_q_blocks=nq, num_kv_blocks=nk)
-
+                         num_q_blocks=-(-request.q_len // bq), num_kv_blocks=-(-request.kv_len // bk))
