@@ -66,7 +66,7 @@ _LOOP = "cpu-attention-loop-2026-12-01.json"
 _E2E = "e2e-cpu-2026-11-30.json"
 _E2E_512 = "e2e-cpu-512-2026-12-01.json"
 _EVAL_1, _EVAL_6 = "eval-cost-cpu-2026-12-01-looped.json", "eval-cost-cpu-2026-12-01-looped-6layers.json"
-_EVAL_E2E = "eval-cost-e2e-cpu-2026-12-03.json"
+_EVAL_E2E = "eval-cost-e2e-cpu-2026-12-04.json"
 _EVAL_PROFILE = "eval-profile-cpu-2026-12-03.json"
 _MEMORY = "memory-cpu-2026-12-01.json"
 _QUICK = "quickstart-cpu-2026-12-02.json"
@@ -174,12 +174,14 @@ REGISTRY: dict[str, Number] = {
     "evalcost.e2e.cold": Number(_EVAL_E2E, "summary.ratio_cpu_cold", ".2f"),
     "evalcost.e2e.warm": Number(_EVAL_E2E, "summary.ratio_cpu_warm", ".2f"),
     "evalcost.e2e.date": Number(_EVAL_E2E, "date", "s"),
+    "evalcost.e2e.prev.warm": Number("eval-cost-e2e-cpu-2026-12-03.json", "summary.ratio_cpu_warm", ".2f"),
     **{f"evalcost.e2e.{kind}.round{i}": Number(_EVAL_E2E, f"summary.ratio_cpu_{kind}_rounds.[{i}]", ".2f")
-       for kind in ("cold", "warm") for i in (0, 1, 2)},
+       for kind in ("cold", "warm") for i in range(5)},
     **{f"evalcost.e2e.{n}.{cache}": Number(_EVAL_E2E, f"cases.[max_len={n},cache={cache}].cpu_s", ".1f")
        for n in (512, 4096) for cache in ("cold", "warm")},
-    **{f"evalcost.e2e.512.warm.round{i}":
-       Number(_EVAL_E2E, f"cases.[max_len=512,cache=warm].runs.[{i}].cpu_s", ".1f") for i in (0, 1, 2)},
+    **{f"evalcost.e2e.{n}.warm.round{i}":
+       Number(_EVAL_E2E, f"cases.[max_len={n},cache=warm].runs.[{i}].cpu_s", ".1f")
+       for n in (512, 4096) for i in range(5)},
     # cProfile of one warm eval.py run per length (exploratory).
     **{f"evalprof.{n}.{what}": Number(_EVAL_PROFILE, f"cases.[max_len={n}].{what}", ".1f")
        for n in (512, 4096) for what in ("wait_s", "trace_s")},
