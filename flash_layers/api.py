@@ -40,7 +40,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               precision: str | jax.lax.Precision | None = None, block_sizes: Any = None,
               mesh: Any = None, sinks: jax.Array | None = None, mask_mod: Callable | None = None,
               score_mod: Callable | None = None, mod_operands: tuple | None = None,
-              block_mask: Any = None) -> jax.Array:
+              block_mask: Any = None, q_offset: int | jax.Array = 0,
+              kv_offset: int | jax.Array = 0) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -48,7 +49,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     key: [batch, kv_len, num_kv_heads, head_dim]; num_heads % num_kv_heads == 0.
     value: [batch, kv_len, num_kv_heads, head_dim_v].
     impl: one of `IMPLS` or "auto" (see `explain`).
-    causal: query i sees key j only if j <= i.
+    causal: query i sees key j only if j <= i (positions: with q_offset / kv_offset below).
     segment_ids: int [batch, q_len]; query i sees key j only if their ids are equal
       (padding is an id of its own, e.g. 0).
     kv_segment_ids: int [batch, kv_len]; defaults to segment_ids when q_len == kv_len.
@@ -86,6 +87,11 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       xla_chunked.
     mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/mods.py).
       Gradients reach the floating-point ones.
+    q_offset, kv_offset: int positions of query row 0 and key row 0 in one sequence (default 0):
+      query i sits at q_offset + i and key j at kv_offset + j for causal, windows, global tokens,
+      ALiBi, dropout's hash and the mods' indices. May be traced (decoding: the KV cache's index,
+      `fl.MultiHeadAttention(decode=True)`); jax_splash takes static offsets only. Not on a mesh with
+      a sequence axis (the ring sets its own).
     block_mask: a `flash_layers.block_mask(mask_mod, ...)`: the mask_mod evaluated on the tile grid
       once, for every layer to reuse (it brings its mask_mod, and its tiles as xla_chunked's chunks).
     Order: logits = scale * q.k + alibi + bias, then score_mod, then softcap, then the mask
@@ -116,7 +122,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
              block_sizes=block_sizes, global_tokens=global_tokens, dropout_rate=dropout_rate,
              dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes,
              bias=bias, precision=precision, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
-             mod_operands=mod_operands, block_mask=block_mask)
+             mod_operands=mod_operands, block_mask=block_mask, q_offset=q_offset, kv_offset=kv_offset)
 
 
 def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO, mesh: Any = None,

@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import alibi, api, dispatch, rotary
+from flash_layers import alibi, api, decoding, dispatch, rotary
 from flash_layers.impls import UnsupportedError
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
@@ -69,6 +69,11 @@ def check_fields(layer) -> None:
       raise TypeError(f"{name} must be a callable (flash_layers/mods.py) or None; got {type(fn).__name__}")
   dispatch.normalize_precision(layer.precision)
   rotary.check_theta(getattr(layer, "rope_theta", None))
+  if not isinstance(getattr(layer, "decode", False), bool):
+    raise TypeError(f"decode must be a bool; got {layer.decode!r}")
+  if getattr(layer, "decode", False) and getattr(layer, "global_tokens", 0):
+    raise ValueError("decode=True with global_tokens is not supported: a document's global tokens are "
+                     "found from the segment ids of the whole sequence, which a decoding call does not see")
 
 
 def _check_alibi(alibi, num_heads: int) -> None:
@@ -159,10 +164,11 @@ def rotate_heads(layer, query, key, positions, kv_positions, self_attention: boo
 
 
 def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
-                 mod_operands=None, block_mask=None):
+                 mod_operands=None, block_mask=None, q_offset=0, kv_offset=0):
   """`fl.attention` with the layer's attention fields; dropout applies when given a key; `sinks`:
   the layer's sink logits [num_heads] (use_sinks) or None; `mod_operands`: the call's, for the
-  layer's mask_mod / score_mod; `block_mask`: a prebuilt `fl.block_mask` of that mask_mod."""
+  layer's mask_mod / score_mod; `block_mask`: a prebuilt `fl.block_mask` of that mask_mod;
+  q_offset / kv_offset: positions of the first query and key (a decoding call's cache index)."""
   return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                        window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
@@ -172,7 +178,24 @@ def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_
                        precision=layer.precision,
                        block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None), sinks=sinks,
                        mask_mod=layer.mask_mod, score_mod=layer.score_mod, mod_operands=mod_operands,
-                       block_mask=block_mask)
+                       block_mask=block_mask, q_offset=q_offset, kv_offset=kv_offset)
+
+
+def decode_step(layer, cache: dict, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                mod_operands, block_mask):
+  """A decoding call of a layer with decode=True (flash_layers/decoding.py): (output, new cache)."""
+  if kv_segment_ids is not None or block_mask is not None:
+    raise ValueError("a decoding call takes segment_ids for its new tokens only (the cache keeps the "
+                     "keys' ids); kv_segment_ids and block_mask are not accepted")
+  batch, length = query.shape[:2]
+  segment_ids = decoding.check_segment_ids(segment_ids, batch, length)
+  ring = decoding.is_ring(layer, cache["cached_key"].shape[1])
+
+  def attend(q, k, v, seg, kv_seg, q_offset, kv_offset):
+    return attend_heads(layer, q, k, v, seg, kv_seg, dropout_rng, sinks, mod_operands, None, q_offset,
+                        kv_offset)
+
+  return decoding.step(cache, query, key, value, segment_ids, ring=ring, attend=attend)
 
 
 # ----------------------------------------------------------------------------
@@ -263,6 +286,11 @@ class MultiHeadAttention(nn.Module):
       each head starts with a sink of logit 0).
     mask_mod, score_mod: `fl.attention`'s (flash_layers/mods.py; `fl.masks` has named mask_mods);
       a call's `mod_operands` are passed to them.
+    decode: keep an autoregressive KV cache in the "cache" collection, as flax's
+      `MultiHeadDotProductAttention(decode=True)`: the first call (`init`) makes it from its input's
+      length, each later call (`apply(..., mutable=["cache"])`) appends its 1...n tokens and attends
+      to everything cached; a causal layer with a sliding window keeps a ring buffer of the window
+      instead (flash_layers/decoding.py). Self-attention only.
   """
 
   num_heads: int
@@ -291,6 +319,7 @@ class MultiHeadAttention(nn.Module):
   sinks_init: Callable = nn.initializers.zeros_init()
   mask_mod: Callable | None = None
   score_mod: Callable | None = None
+  decode: bool = False
 
   def __post_init__(self):
     check_fields(self)
@@ -324,6 +353,17 @@ class MultiHeadAttention(nn.Module):
     if inputs_kv is None:
       inputs_kv = inputs_q
     dims = head_dims(self, inputs_q, inputs_kv)
+    if self.decode and not self_attention:
+      raise ValueError("decode=True caches self-attention: call the layer without inputs_kv")
+    decoding_now = self.decode and self.has_variable("cache", "cached_key")
+    if self.decode and not decoding_now:  # the init call: an empty cache sized by this input
+      batch, length = inputs_q.shape[:2]
+      layout = decoding.layout(self, length)
+      for name, value in decoding.init_values(batch, layout, dims.num_kv_heads, dims.head_dim,
+                                              dims.head_dim_v, self.dtype or inputs_q.dtype).items():
+        self.variable("cache", name, lambda value=value: value)
+    if decoding_now and positions is None and self.rope_theta is not None:
+      positions = decoding.default_positions(self.get_variable("cache", "cache_index"), *inputs_q.shape[:2])
     query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
                         QUERY_KERNEL_AXES, QUERY_KERNEL_AXES[1:])(inputs_q)
     key = self._dense("key", (dims.num_kv_heads, dims.head_dim), -1,
@@ -334,8 +374,15 @@ class MultiHeadAttention(nn.Module):
     dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
     sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
              else None)
-    out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                       mod_operands, block_mask)
+    if decoding_now:
+      cache = {name: self.get_variable("cache", name) for name in decoding.CACHE_NAMES}
+      out, cache = decode_step(self, cache, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
+                               sinks, mod_operands, block_mask)
+      for name, value in cache.items():
+        self.put_variable("cache", name, value)
+    else:
+      out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                         mod_operands, block_mask)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
 
 

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flash_layers import dispatch, layers
+from flash_layers import decoding, dispatch, layers
 
 _PROJECTIONS = ("query", "key", "value", "out")
 # The linen layer's defaults (flax's DenseGeneral's).
@@ -49,6 +49,9 @@ class MultiHeadAttention(nnx.Module):
       `model.train()` / `model.eval()` and `nnx.view` set it.
     rngs: `nnx.Rngs` for the parameters ("params") and, when dropout_rate > 0,
       the dropout keys ("dropout", else "default"), kept by the layer.
+    decode: the default of the call's `decode`: calls append to the KV cache that `init_cache` made
+      (`nnx.Cache` variables `cached_key`, `cached_value`, `cache_index`, as flax's
+      `nnx.MultiHeadAttention`, and `cached_segment_ids`; flash_layers/decoding.py).
   """
 
   def __init__(self, num_heads: int, in_features: int, *, in_kv_features: int | None = None,
@@ -63,7 +66,8 @@ class MultiHeadAttention(nnx.Module):
                bias_init: Callable = _BIAS_INIT, precision: Any = None,
                dropout_rate: float = 0.0, alibi: Any = False, deterministic: bool = True,
                use_sinks: bool = False, sinks_init: Callable = _SINKS_INIT,
-               mask_mod: Callable | None = None, score_mod: Callable | None = None, rngs: nnx.Rngs):
+               mask_mod: Callable | None = None, score_mod: Callable | None = None, decode: bool = False,
+               rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -84,6 +88,7 @@ class MultiHeadAttention(nnx.Module):
     self.precision = precision  # the projections' and the attention's
     self.use_sinks = use_sinks
     self.mask_mod, self.score_mod = mask_mod, score_mod
+    self.decode = decode
     layers.check_fields(self)
     if alibi is not None and not isinstance(alibi, bool):
       # Static data, not an array attribute (which NNX would treat as state).
@@ -110,8 +115,23 @@ class MultiHeadAttention(nnx.Module):
     # As the linen layer's "sinks" param: float32 [num_heads] sink logits (fl.attention's `sinks`).
     self.sinks = nnx.Param(sinks_init(rngs.params(), (dims.num_heads,), jnp.float32)) if use_sinks else None
     self.rngs = nnx.data(None)
+    self.cached_key = self.cached_value = self.cached_segment_ids = self.cache_index = nnx.data(None)
     if dropout_rate and ("dropout" in rngs or "default" in rngs):
       self.rngs = rngs["dropout"].fork()
+
+  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
+    """An empty KV cache for inputs of `input_shape` = [batch, max_length, features] (as flax's
+    `nnx.MultiHeadAttention.init_cache`); a causal layer with a sliding window keeps a ring buffer of
+    the window instead of max_length entries."""
+    if len(input_shape) != 3:
+      raise ValueError(f"input_shape must be [batch, max_length, features]; got {tuple(input_shape)}")
+    if self.global_tokens:
+      raise ValueError("decoding with global_tokens is not supported (layers.check_fields says why)")
+    dims = layers.resolve_dims(self, self.in_features)
+    values = decoding.init_values(input_shape[0], decoding.layout(self, input_shape[1]), dims.num_kv_heads,
+                                  dims.head_dim, dims.head_dim_v, dtype)
+    for name, value in values.items():
+      setattr(self, name, nnx.Cache(value))
 
   def set_view(self, deterministic: bool | None = None):
     """For `nnx.view`: deterministic=False turns dropout on by default."""
@@ -124,14 +144,15 @@ class MultiHeadAttention(nnx.Module):
                deterministic: bool | None = None,
                rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
                mod_operands: tuple | None = None,
-               block_mask: Any = None) -> jax.Array:
+               block_mask: Any = None, decode: bool | None = None) -> jax.Array:
     """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
     positions / kv_positions: for the rotary embeddings, as in the linen layer.
     deterministic: None for the layer's attribute. rngs: dropout keys for this call
     (an `nnx.Rngs`, a stream or a key) instead of the layer's own. mod_operands: arrays for the
-    layer's mask_mod / score_mod.
+    layer's mask_mod / score_mod. decode: None for the layer's attribute; True appends this call's
+    tokens to the cache (`init_cache` first) and attends to everything cached.
     Returns [batch, q_len, out_features].
     """
     self_attention = inputs_kv is None
@@ -145,11 +166,25 @@ class MultiHeadAttention(nnx.Module):
                          f"({'in_features' if name == 'inputs_q' else 'in_kv_features'})")
     deterministic = self.deterministic if deterministic is None else deterministic
     dropout_rng = self._dropout_key(rngs) if layers.needs_dropout_rng(self, deterministic) else None
+    decode = self.decode if decode is None else decode
+    if decode and not self_attention:
+      raise ValueError("decode=True caches self-attention: call the layer without inputs_kv")
+    if decode and self.cache_index is None:
+      raise ValueError("decode=True needs a KV cache: call layer.init_cache(input_shape) first")
+    if decode and positions is None and self.rope_theta is not None:
+      positions = decoding.default_positions(self.cache_index[...], *inputs_q.shape[:2])
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     sinks = None if self.sinks is None else self.sinks[...]
-    out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                              mod_operands, block_mask)
+    if decode:
+      cache = {name: getattr(self, name)[...] for name in decoding.CACHE_NAMES}
+      out, cache = layers.decode_step(self, cache, query, key, value, segment_ids, kv_segment_ids,
+                                      dropout_rng, sinks, mod_operands, block_mask)
+      for name, value in cache.items():
+        getattr(self, name)[...] = value
+    else:
+      out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                                mod_operands, block_mask)
     return self.out(out)
 
   def _dropout_key(self, rngs) -> jax.Array:

@@ -140,6 +140,12 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
     raise UnsupportedError("dense mask with a sequence-sharded (ring) mesh: the mask would travel "
                            "with K/V; use causal/window/segment ids (fl.MultiHeadAttention), or a "
                            "mesh with sequence=1")
+  offsets = {name: x for name, x in (("q_offset", args.q_offset), ("kv_offset", args.kv_offset))
+             if not (isinstance(x, int) and x == 0)}
+  if offsets and plan.sequence > 1:
+    raise UnsupportedError(f"{' and '.join(offsets)} with a sequence-sharded (ring) mesh: the ring sets "
+                           "each block's positions itself; use a mesh with sequence=1")
+  static_offsets = {name: x for name, x in offsets.items() if isinstance(x, int)}
   if plan.kv_gather is not None:
     index = jnp.asarray(plan.kv_gather, jnp.int32)
     key, value = jnp.take(key, index, axis=2), jnp.take(value, index, axis=2)
@@ -152,7 +158,8 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
   # Dropout hashes *global* batch rows and heads: each device adds the start of its shard.
   extras = {name: x for name, x in (("dropout_seed", args.dropout_seed), ("alibi_slopes", args.alibi_slopes),
                                     ("bias", args.bias), ("dense_mask", args.dense_mask)) if x is not None}
-  extra_specs = {"dropout_seed": P(), "alibi_slopes": P(tensor)}
+  extras.update({name: x for name, x in offsets.items() if name not in static_offsets})  # traced: operands
+  extra_specs = {"dropout_seed": P(), "alibi_slopes": P(tensor), "q_offset": P(), "kv_offset": P()}
   for name in ("bias", "dense_mask"):  # rank 4 [b|1, h|1, q, kv]: split only the full dimensions
     if name in extras:
       shape = extras[name].shape
@@ -167,7 +174,7 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
     if plan.tensor > 1:
       head_offset = jax.lax.axis_index("tensor") * plan.local.num_heads
     local_args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, batch_offset=batch_offset,
-                      head_offset=head_offset, **local)
+                      head_offset=head_offset, **static_offsets, **local)
     if plan.sequence == 1:
       return dispatch.attend(q, k, v, impl=impl, request=plan.local, args=local_args)
     config = ring.RingConfig(impl=impl, request=plan.local, axis="sequence", size=plan.sequence,
