@@ -174,6 +174,12 @@ REGISTRY: dict[str, Number] = {
     "evalcost.e2e.cold": Number(_EVAL_E2E, "summary.ratio_cpu_cold", ".2f"),
     "evalcost.e2e.warm": Number(_EVAL_E2E, "summary.ratio_cpu_warm", ".2f"),
     "evalcost.e2e.date": Number(_EVAL_E2E, "date", "s"),
+    # One decoding step on the CPU (benchmarks/decode_cpu.py): MHA like flax's, and a GQA layer.
+    **{f"decode.{kind}{n}.{what}":
+       Number(f"decode-cpu{suffix}-2026-12-04.json", f"rows.[cache_len={n}].{path}", fmt)
+       for kind, suffix in (("", ""), ("gqa.", "-gqa4")) for n in (2048, 8192)
+       for what, path, fmt in (("ratio_cpu", "ratio_cpu", ".2f"), ("ours_ms", "flash_layers.cpu_ms", ".1f"),
+                               ("flax_ms", "flax.cpu_ms", ".1f"))},
     "evalcost.e2e.prev.warm": Number("eval-cost-e2e-cpu-2026-12-03.json", "summary.ratio_cpu_warm", ".2f"),
     **{f"evalcost.e2e.{kind}.round{i}": Number(_EVAL_E2E, f"summary.ratio_cpu_{kind}_rounds.[{i}]", ".2f")
        for kind in ("cold", "warm") for i in range(5)},

@@ -45,6 +45,10 @@ from flash_layers.impls.base import Args, Request
 # impl) already fit in this many bytes, about one core's L2 (1 MiB on AMD EPYC Zen 4, 2 MiB on
 # Intel Sapphire Rapids), the call runs whole: the loops would only add steps, and compile time.
 CACHE_BYTES = 1 << 20
+# A call of this many queries or fewer (decoding against a KV cache) runs whole: its logits are small
+# at any kv_len, and its cost is reading K/V, which slicing per row and kv head would copy first
+# (benchmarks/decode_cpu.py: looped, a decoding step at 8,192 cached tokens was much slower than flax's).
+FEW_QUERIES = 16
 
 
 def loop_bytes(request: Request) -> int:
@@ -58,6 +62,8 @@ def worth_looping(q, k, tile_q: int, tile_kv: int, cache_bytes: int = CACHE_BYTE
   """Whether a call's float32 logits tile over every row and head, [b, h, tile_q, tile_kv], exceeds
   `cache_bytes` (and there is more than one row or kv head to loop over)."""
   b, h, kvh = q.shape[0], q.shape[2], k.shape[2]
+  if tile_q <= FEW_QUERIES:  # decoding: K/V traffic dominates, and slicing it per row and head costs more
+    return False
   return b * kvh > 1 and 4 * b * h * tile_q * tile_kv > cache_bytes
 
 
