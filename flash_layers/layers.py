@@ -16,6 +16,7 @@ once and are shared with the NNX and Haiku layers (`flash_layers.nnx`,
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -24,9 +25,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx as flax_nnx
 
-from flash_layers import alibi, api, decoding, dispatch, rotary
+from flash_layers import alibi, api, decoding, dispatch, lowering, rotary
 from flash_layers.impls import UnsupportedError
+from flash_layers.impls import reference as reference_impl
+from flash_layers.parallel import sharded
+
+# The impls whose attention materialises the probabilities: a call with sow_weights=True must resolve to one.
+SOWS_WEIGHTS = ("reference", "xla_dense", "xla_native")
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
 QUERY_KERNEL_AXES = ("embed", "heads", "head_dim")
@@ -50,8 +57,14 @@ def check_fields(layer) -> None:
   """Validate a layer's fields at construction (everything that does not need the inputs)."""
   dispatch.check_impl(layer.impl)
   _check_positive_int("num_heads", layer.num_heads, optional=False)
-  for name in ("num_kv_heads", "head_dim", "head_dim_v", "out_features"):
-    _check_positive_int(name, getattr(layer, name), optional=True)
+  for name in ("num_kv_heads", "head_dim", "head_dim_v", "out_features", "qkv_features"):
+    _check_positive_int(name, getattr(layer, name, None), optional=True)
+  for name in ("broadcast_dropout", "normalize_qk"):
+    if not isinstance(getattr(layer, name, False), bool):
+      raise TypeError(f"{name} must be a bool; got {getattr(layer, name)!r}")
+  deterministic = getattr(layer, "deterministic", None)
+  if deterministic is not None and not isinstance(deterministic, bool):
+    raise TypeError(f"deterministic must be a bool or None; got {deterministic!r}")
   if layer.num_kv_heads is not None and layer.num_heads % layer.num_kv_heads:
     raise ValueError(f"num_heads ({layer.num_heads}) must be a multiple of num_kv_heads "
                      f"({layer.num_kv_heads})")
@@ -120,6 +133,14 @@ def head_dims(layer, inputs_q, inputs_kv) -> HeadDims:
 def resolve_dims(layer, features: int) -> HeadDims:
   """head_dims for query inputs of `features` features (the NNX layer knows them at construction)."""
   head_dim = layer.head_dim
+  qkv_features = getattr(layer, "qkv_features", None)
+  if qkv_features is not None:  # flax's field: the width of the q/k/v projections, all heads together
+    if qkv_features % layer.num_heads:
+      raise ValueError(f"qkv_features ({qkv_features}) must be a multiple of num_heads ({layer.num_heads})")
+    if head_dim is not None and head_dim * layer.num_heads != qkv_features:
+      raise ValueError(f"head_dim ({head_dim}) and qkv_features ({qkv_features}) disagree: qkv_features is "
+                       "num_heads * head_dim; give one of them")
+    head_dim = qkv_features // layer.num_heads
   if head_dim is None:
     if features % layer.num_heads:
       raise ValueError(f"features of inputs_q ({features}) must be a multiple of num_heads "
@@ -135,6 +156,53 @@ def resolve_dims(layer, features: int) -> HeadDims:
 
 def needs_dropout_rng(layer, deterministic: bool) -> bool:
   return bool(layer.dropout_rate) and not deterministic
+
+
+def resolve_deterministic(layer, deterministic: bool | None) -> bool:
+  """The call's `deterministic`, else the layer's field, else True (no dropout), as flax's merge."""
+  if deterministic is not None:
+    return bool(deterministic)
+  field = getattr(layer, "deterministic", None)
+  return True if field is None else field
+
+
+def key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v):
+  """(inputs of the keys, inputs of the values, self-attention?) from flax's call arguments:
+  `inputs_kv` (positional, or flax's `inputs_k`) defaults to inputs_q, `inputs_v` to the keys' inputs."""
+  if inputs_k is not None:
+    if inputs_kv is not None:
+      raise ValueError("give the keys' inputs once: as the second positional argument (inputs_kv) or as "
+                       "inputs_k=")
+    inputs_kv = inputs_k
+  self_attention = inputs_kv is None and inputs_v is None
+  inputs_kv = inputs_q if inputs_kv is None else inputs_kv
+  if inputs_v is None:
+    return inputs_kv, inputs_kv, self_attention
+  shape = getattr(inputs_v, "shape", None)
+  if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(inputs_kv.shape[:2]):
+    raise ValueError(f"inputs_v must have shape [batch, kv_len, features] with the keys' batch and length "
+                     f"{tuple(inputs_kv.shape[:2])}; got {shape or type(inputs_v).__name__}")
+  return inputs_kv, inputs_v, self_attention
+
+
+def attention_weights(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
+                      mod_operands=None, mask=None) -> jax.Array:
+  """The probabilities [batch, heads, q_len, kv_len] of the call `attend_heads` makes, for flax's
+  `sow_weights`: served when that call runs an impl that materialises them (SOWS_WEIGHTS), unsharded."""
+  options = _options(layer, segment_ids, kv_segment_ids, dropout_rng, mod_operands, None, 0, 0, mask)
+  return _weights(query, key, value, layer.impl, getattr(layer, "mesh", None), sinks, options)
+
+
+def _weights(query, key, value, impl: str, mesh, sinks, options: dict) -> jax.Array:
+  """The probabilities [batch, heads, q_len, kv_len] of `api.run(query, key, value, impl=impl, **options)`."""
+  if sharded.resolve_mesh(mesh) is not None:
+    raise UnsupportedError("sow_weights on a mesh: the probabilities are not gathered; call without a mesh")
+  request, args = dispatch.prepare(query, key, value, **options)
+  name = dispatch.choose(impl, request, lowering.default_platform())[0]
+  if name not in SOWS_WEIGHTS:
+    raise UnsupportedError(f"sow_weights with impl {name!r}, which never materialises the attention "
+                           f"probabilities; use impl= one of {SOWS_WEIGHTS}")
+  return reference_impl.weights(query, key, request=request, args=args, sinks=sinks)
 
 
 def rotate_heads(layer, query, key, positions, kv_positions, self_attention: bool):
@@ -164,21 +232,28 @@ def rotate_heads(layer, query, key, positions, kv_positions, self_attention: boo
 
 
 def attend_heads(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
-                 mod_operands=None, block_mask=None, q_offset=0, kv_offset=0):
+                 mod_operands=None, block_mask=None, q_offset=0, kv_offset=0, mask=None):
   """`fl.attention` with the layer's attention fields; dropout applies when given a key; `sinks`:
   the layer's sink logits [num_heads] (use_sinks) or None; `mod_operands`: the call's, for the
   layer's mask_mod / score_mod; `block_mask`: a prebuilt `fl.block_mask` of that mask_mod;
-  q_offset / kv_offset: positions of the first query and key (a decoding call's cache index)."""
-  return api.attention(query, key, value, impl=layer.impl, causal=layer.causal,
-                       segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                       window=layer.window, global_tokens=getattr(layer, "global_tokens", 0),
-                       scale=layer.scale, softcap=layer.softcap,
-                       dropout_rate=layer.dropout_rate if dropout_rng is not None else 0.0,
-                       dropout_rng=dropout_rng, alibi_slopes=alibi_slopes(layer),
-                       precision=layer.precision,
-                       block_sizes=layer.block_sizes, mesh=getattr(layer, "mesh", None), sinks=sinks,
-                       mask_mod=layer.mask_mod, score_mod=layer.score_mod, mod_operands=mod_operands,
-                       block_mask=block_mask, q_offset=q_offset, kv_offset=kv_offset)
+  q_offset / kv_offset: positions of the first query and key (a decoding call's cache index);
+  `mask`: flax's boolean mask, broadcastable to [batch, heads, q_len, kv_len] (True: attend)."""
+  return api.run(query, key, value, impl=layer.impl, mesh=getattr(layer, "mesh", None), sinks=sinks,
+                 **_options(layer, segment_ids, kv_segment_ids, dropout_rng, mod_operands, block_mask,
+                            q_offset, kv_offset, mask))
+
+
+def _options(layer, segment_ids, kv_segment_ids, dropout_rng, mod_operands, block_mask, q_offset, kv_offset,
+             mask):
+  """`dispatch.prepare`'s keywords for a layer's call."""
+  return dict(causal=layer.causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+              window=layer.window,
+              global_tokens=getattr(layer, "global_tokens", 0), scale=layer.scale, softcap=layer.softcap,
+              dropout_rate=layer.dropout_rate if dropout_rng is not None else 0.0, dropout_rng=dropout_rng,
+              dropout_broadcast=getattr(layer, "broadcast_dropout", False), alibi_slopes=alibi_slopes(layer),
+              precision=layer.precision, block_sizes=layer.block_sizes, mask_mod=layer.mask_mod,
+              score_mod=layer.score_mod, mod_operands=mod_operands, block_mask=block_mask, q_offset=q_offset,
+              kv_offset=kv_offset, dense_mask=mask)
 
 
 def decode_step(layer, cache: dict, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
@@ -291,6 +366,11 @@ class MultiHeadAttention(nn.Module):
       length, each later call (`apply(..., mutable=["cache"])`) appends its 1...n tokens and attends
       to everything cached; a causal layer with a sliding window keeps a ring buffer of the window
       instead (flash_layers/decoding.py). Self-attention only.
+    qkv_features, broadcast_dropout, deterministic, normalize_qk, out_kernel_init, out_bias_init: flax's
+      `MultiHeadDotProductAttention` fields: the q/k/v projections' total width (num_heads * head_dim);
+      one dropout mask for every batch row and head (default False here, True in flax); the default of
+      the call's `deterministic` (None: True); LayerNorms "query_ln"/"key_ln" (no bias) on each head of
+      the projected queries and keys; the out projection's initializers (None: kernel_init, bias_init).
   """
 
   num_heads: int
@@ -320,25 +400,36 @@ class MultiHeadAttention(nn.Module):
   mask_mod: Callable | None = None
   score_mod: Callable | None = None
   decode: bool = False
+  # flax's MultiHeadDotProductAttention fields, with flax's meaning:
+  qkv_features: int | None = None
+  broadcast_dropout: bool = False
+  deterministic: bool | None = None
+  normalize_qk: bool = False
+  out_kernel_init: Callable | None = None
+  out_bias_init: Callable | None = None
 
   def __post_init__(self):
     check_fields(self)
     super().__post_init__()
 
   def _dense(self, name: str, features, axis, kernel_axes, bias_axes) -> _Projection:
+    out = name == "out"
     return _Projection(
         features=tuple(features) if isinstance(features, tuple) else (features,),
         num_contract=len(axis) if isinstance(axis, tuple) else 1, kernel_axes=kernel_axes,
         bias_axes=bias_axes, use_bias=self.use_bias, dtype=self.dtype,
-        param_dtype=self.param_dtype, precision=self.precision, kernel_init=self.kernel_init,
-        bias_init=self.bias_init, name=name)
+        param_dtype=self.param_dtype, precision=self.precision,
+        kernel_init=(out and self.out_kernel_init) or self.kernel_init,
+        bias_init=(out and self.out_bias_init) or self.bias_init, name=name)
 
   @nn.compact
-  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *, inputs_k: jax.Array | None = None,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
-               deterministic: bool = True, mod_operands: tuple | None = None,
-               block_mask: Any = None) -> jax.Array:
+               deterministic: bool | None = None, mod_operands: tuple | None = None,
+               block_mask: Any = None, mask: jax.Array | None = None, dropout_rng: jax.Array | None = None,
+               sow_weights: bool = False) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
@@ -347,11 +438,14 @@ class MultiHeadAttention(nn.Module):
     positions [batch, q_len] / kv_positions [batch, kv_len]: int positions for the rotary
     embeddings (with rope_theta; e.g. restarting per packed document). None: 0, 1, ... for the
     queries; kv_positions default to positions in self-attention.
+    flax's call arguments, with flax's meaning: inputs_v (the values' inputs; default the keys'),
+    inputs_k (= inputs_kv), mask (boolean, broadcastable to [batch, heads, q_len, kv_len]; True:
+    attend), deterministic (None: the field's, else True), dropout_rng (instead of the "dropout" rng
+    stream), sow_weights (sow the probabilities [batch, heads, q_len, kv_len] as
+    intermediates/attention_weights; for impls in SOWS_WEIGHTS, UnsupportedError otherwise).
     Returns [batch, q_len, out_features].
     """
-    self_attention = inputs_kv is None
-    if inputs_kv is None:
-      inputs_kv = inputs_q
+    inputs_kv, inputs_v, self_attention = key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v)
     dims = head_dims(self, inputs_q, inputs_kv)
     if self.decode and not self_attention:
       raise ValueError("decode=True caches self-attention: call the layer without inputs_kv")
@@ -369,12 +463,26 @@ class MultiHeadAttention(nn.Module):
     key = self._dense("key", (dims.num_kv_heads, dims.head_dim), -1,
                       KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
     value = self._dense("value", (dims.num_kv_heads, dims.head_dim_v), -1,
-                        KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_kv)
+                        KV_KERNEL_AXES, KV_KERNEL_AXES[1:])(inputs_v)
+    if self.normalize_qk:  # flax's names and LayerNorm: no bias, over each head's features
+      norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+      query, key = norm(name="query_ln")(query), norm(name="key_ln")(key)
     query, key = rotate_heads(self, query, key, positions, kv_positions, self_attention)
-    dropout_rng = self.make_rng("dropout") if needs_dropout_rng(self, deterministic) else None
+    deterministic = resolve_deterministic(self, deterministic)
+    if not needs_dropout_rng(self, deterministic):
+      dropout_rng = None
+    elif dropout_rng is None:
+      dropout_rng = self.make_rng("dropout")
     sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
              else None)
+    if sow_weights:
+      self.sow("intermediates", "attention_weights",
+               attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                                 mod_operands, mask))
     if decoding_now:
+      if mask is not None:
+        raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids "
+                         "mask it)")
       cache = {name: self.get_variable("cache", name) for name in decoding.CACHE_NAMES}
       out, cache = decode_step(self, cache, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
                                sinks, mod_operands, block_mask)
@@ -382,7 +490,7 @@ class MultiHeadAttention(nn.Module):
         self.put_variable("cache", name, value)
     else:
       out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                         mod_operands, block_mask)
+                         mod_operands, block_mask, mask=mask)
     return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
 
 
@@ -418,6 +526,14 @@ def _flatten_logits_operand(x, batch_shape):
   return _flatten_batch(jnp.broadcast_to(x, batch_shape + x.shape[-3:]), batch_shape)
 
 
+def _sow(module, weights) -> None:
+  """Sow attention weights into a flax module as flax's own attention does (linen or nnx)."""
+  if isinstance(module, flax_nnx.Module):
+    module.sow(flax_nnx.Intermediate, "attention_weights", weights)
+  else:
+    module.sow("intermediates", "attention_weights", weights)
+
+
 def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
   """An `attention_fn` for `flax.linen.MultiHeadDotProductAttention` / `flax.nnx.MultiHeadAttention`.
 
@@ -448,8 +564,11 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
     that pass one); flash_pallas raises UnsupportedError("dense bias").
   * `precision` (the module's field, which flax also uses for its projections): the
     attention's matmul precision, as `fl.attention(precision=...)`; None for its default.
-  Refused by name: sown attention weights (`sow_weights=True`: the probabilities
-  are never materialized) and custom einsums.
+  * `module` (flax passes it for `sow_weights=True`): the probabilities
+    [batch..., heads, q_len, kv_len] are sown into it as "attention_weights" (linen's
+    "intermediates", nnx's `nnx.Intermediate`) when the call runs an impl that materialises
+    them (reference, xla_dense, xla_native); any other raises UnsupportedError("sow_weights").
+  Refused by name: custom einsums.
   """
   dispatch.check_impl(impl)
   unknown = sorted(set(fixed_kwargs) - set(_FIXED_KWARGS))
@@ -459,9 +578,6 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
   def fn(query, key, value, bias=None, mask=None, broadcast_dropout=True, dropout_rng=None,
          dropout_rate=0.0, deterministic=False, dtype=None, precision=None, module=None,
          **extra):
-    if module is not None:
-      raise UnsupportedError("attention_fn: sow_weights is not supported (the attention "
-                             "probabilities are never materialized)")
     causal = fixed_kwargs.get("causal", False)
     for name, value_ in extra.items():
       if name == "is_causal":
@@ -488,8 +604,13 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
       mask = _flatten_logits_operand(mask, batch_shape)
     if bias is not None:
       bias = _flatten_logits_operand(bias, batch_shape)
-    out = api.run(q, k, v, impl=impl, **{**fixed_kwargs, "causal": causal}, dense_mask=mask, bias=bias,
-                  precision=precision, **dropout_kwargs)
+    options = {**fixed_kwargs, "causal": causal, "dense_mask": mask, "bias": bias, "precision": precision,
+               **dropout_kwargs}
+    mesh = options.pop("mesh", None)
+    if module is not None:
+      weights = _weights(q, k, v, impl, mesh, None, options)
+      _sow(module, weights.reshape(batch_shape + weights.shape[1:]))
+    out = api.run(q, k, v, impl=impl, mesh=mesh, **options)
     return out.reshape(batch_shape + out.shape[1:])
 
   return fn

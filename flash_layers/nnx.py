@@ -54,10 +54,10 @@ class MultiHeadAttention(nnx.Module):
       `nnx.MultiHeadAttention`, and `cached_segment_ids`; flash_layers/decoding.py).
   """
 
-  def __init__(self, num_heads: int, in_features: int, *, in_kv_features: int | None = None,
-               num_kv_heads: int | None = None, head_dim: int | None = None,
-               head_dim_v: int | None = None, out_features: int | None = None,
-               impl: str = dispatch.AUTO, causal: bool = False,
+  def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
+               out_features: int | None = None, num_kv_heads: int | None = None,
+               in_kv_features: int | None = None, *, head_dim: int | None = None,
+               head_dim_v: int | None = None, impl: str = dispatch.AUTO, causal: bool = False,
                window: int | tuple[int, int] | None = None, global_tokens: int = 0,
                softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
                rope_theta: float | None = None, mesh: Any = None,
@@ -67,6 +67,8 @@ class MultiHeadAttention(nnx.Module):
                dropout_rate: float = 0.0, alibi: Any = False, deterministic: bool = True,
                use_sinks: bool = False, sinks_init: Callable = _SINKS_INIT,
                mask_mod: Callable | None = None, score_mod: Callable | None = None, decode: bool = False,
+               broadcast_dropout: bool = False, normalize_qk: bool = False,
+               out_kernel_init: Callable | None = None, out_bias_init: Callable | None = None,
                rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -89,6 +91,8 @@ class MultiHeadAttention(nnx.Module):
     self.use_sinks = use_sinks
     self.mask_mod, self.score_mod = mask_mod, score_mod
     self.decode = decode
+    self.qkv_features = qkv_features
+    self.broadcast_dropout, self.normalize_qk = broadcast_dropout, normalize_qk
     layers.check_fields(self)
     if alibi is not None and not isinstance(alibi, bool):
       # Static data, not an array attribute (which NNX would treat as state).
@@ -100,10 +104,11 @@ class MultiHeadAttention(nnx.Module):
     self.in_kv_features = in_kv_features or in_features
     dims = layers.resolve_dims(self, in_features)
 
-    def dense(in_shape, out_shape, kernel_axes, bias_axes, axis=-1):
+    def dense(in_shape, out_shape, kernel_axes, bias_axes, axis=-1, out=False):
       return nnx.LinearGeneral(
           in_shape, out_shape, axis=axis, use_bias=use_bias, dtype=dtype, param_dtype=param_dtype,
-          kernel_init=kernel_init, bias_init=bias_init, precision=precision, rngs=rngs,
+          kernel_init=(out and out_kernel_init) or kernel_init,
+          bias_init=(out and out_bias_init) or bias_init, precision=precision, rngs=rngs,
           kernel_metadata=_metadata(kernel_axes), bias_metadata=_metadata(bias_axes))
 
     q_axes, kv_axes = layers.QUERY_KERNEL_AXES, layers.KV_KERNEL_AXES
@@ -111,7 +116,12 @@ class MultiHeadAttention(nnx.Module):
     self.key = dense(self.in_kv_features, (dims.num_kv_heads, dims.head_dim), kv_axes, kv_axes[1:])
     self.value = dense(self.in_kv_features, (dims.num_kv_heads, dims.head_dim_v), kv_axes, kv_axes[1:])
     self.out = dense((dims.num_heads, dims.head_dim_v), dims.out_features, layers.OUT_KERNEL_AXES,
-                     layers.OUT_BIAS_AXES, axis=(-2, -1))
+                     layers.OUT_BIAS_AXES, axis=(-2, -1), out=True)
+    # As flax's nnx.MultiHeadAttention(normalize_qk=True): LayerNorms without bias over each head's features.
+    self.query_ln = self.key_ln = nnx.data(None)
+    if normalize_qk:
+      self.query_ln, self.key_ln = (nnx.LayerNorm(dims.head_dim, use_bias=False, dtype=dtype,
+                                                  param_dtype=param_dtype, rngs=rngs) for _ in range(2))
     # As the linen layer's "sinks" param: float32 [num_heads] sink logits (fl.attention's `sinks`).
     self.sinks = nnx.Param(sinks_init(rngs.params(), (dims.num_heads,), jnp.float32)) if use_sinks else None
     self.rngs = nnx.data(None)
@@ -138,13 +148,15 @@ class MultiHeadAttention(nnx.Module):
     if deterministic is not None:
       self.deterministic = deterministic
 
-  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,
+  def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None,
+               inputs_v: jax.Array | None = None, *, inputs_k: jax.Array | None = None,
                segment_ids: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool | None = None,
                rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
                mod_operands: tuple | None = None,
-               block_mask: Any = None, decode: bool | None = None) -> jax.Array:
+               block_mask: Any = None, decode: bool | None = None, mask: jax.Array | None = None,
+               sow_weights: bool = False) -> jax.Array:
     """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
@@ -152,19 +164,20 @@ class MultiHeadAttention(nnx.Module):
     deterministic: None for the layer's attribute. rngs: dropout keys for this call
     (an `nnx.Rngs`, a stream or a key) instead of the layer's own. mod_operands: arrays for the
     layer's mask_mod / score_mod. decode: None for the layer's attribute; True appends this call's
-    tokens to the cache (`init_cache` first) and attends to everything cached.
+    tokens to the cache (`init_cache` first) and attends to everything cached. inputs_v, inputs_k,
+    mask, sow_weights: flax's, as in the linen layer (the weights are sown as
+    `nnx.Intermediate` "attention_weights").
     Returns [batch, q_len, out_features].
     """
-    self_attention = inputs_kv is None
-    if inputs_kv is None:
-      inputs_kv = inputs_q
+    inputs_kv, inputs_v, self_attention = layers.key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v)
     layers.head_dims(self, inputs_q, inputs_kv)  # validates the shapes
     for name, x, want in (("inputs_q", inputs_q, self.in_features),
-                          ("inputs_kv", inputs_kv, self.in_kv_features)):
+                          ("inputs_kv", inputs_kv, self.in_kv_features),
+                          ("inputs_v", inputs_v, self.in_kv_features)):
       if x.shape[-1] != want:
         raise ValueError(f"{name} has {x.shape[-1]} features; this layer was built for {want} "
                          f"({'in_features' if name == 'inputs_q' else 'in_kv_features'})")
-    deterministic = self.deterministic if deterministic is None else deterministic
+    deterministic = layers.resolve_deterministic(self, deterministic)
     dropout_rng = self._dropout_key(rngs) if layers.needs_dropout_rng(self, deterministic) else None
     decode = self.decode if decode is None else decode
     if decode and not self_attention:
@@ -173,10 +186,19 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError("decode=True needs a KV cache: call layer.init_cache(input_shape) first")
     if decode and positions is None and self.rope_theta is not None:
       positions = decoding.default_positions(self.cache_index[...], *inputs_q.shape[:2])
-    query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_kv)
+    query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_v)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     sinks = None if self.sinks is None else self.sinks[...]
+    if sow_weights:
+      self.sow(nnx.Intermediate, "attention_weights",
+               layers.attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
+                                        sinks, mod_operands, mask))
     if decode:
+      if mask is not None:
+        raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids "
+                         "mask it)")
       cache = {name: getattr(self, name)[...] for name in decoding.CACHE_NAMES}
       out, cache = layers.decode_step(self, cache, query, key, value, segment_ids, kv_segment_ids,
                                       dropout_rng, sinks, mod_operands, block_mask)
@@ -184,7 +206,7 @@ class MultiHeadAttention(nnx.Module):
         getattr(self, name)[...] = value
     else:
       out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                                mod_operands, block_mask)
+                                mod_operands, block_mask, mask=mask)
     return self.out(out)
 
   def _dropout_key(self, rngs) -> jax.Array:

@@ -3,8 +3,8 @@
 Independent references: the same modules with flax's own attention; for dropout, flax's
 attention weights (`nn.dot_product_attention_weights`) multiplied by `fl.dropout_mask`
 (the contract's mask; flax's own dropout draws a different one). What attention_fn refuses
-is refused by name: sown attention weights, complex inputs, and features the chosen impl
-does not serve.
+is refused by name: sown attention weights from an impl that never materialises them, complex
+inputs, and features the chosen impl does not serve.
 """
 
 import functools

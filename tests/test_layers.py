@@ -311,8 +311,8 @@ def test_attention_fn_refuses_what_it_cannot_do():
   np.testing.assert_allclose(fn(q, k, v, dropout_rate=0.1, deterministic=True), v)
   with pytest.raises(ValueError, match="bias must broadcast"):
     fn(q, k, v, bias=jnp.zeros((3, 4, 4)))
-  with pytest.raises(fl.UnsupportedError, match="sow_weights"):
-    fn(q, k, v, module=object())
+  with pytest.raises(fl.UnsupportedError, match="sow_weights"):  # an impl that never materialises them
+    fl.attention_fn(impl="xla_chunked")(q, k, v, module=object())
   with pytest.raises(TypeError, match="surprise"):
     fn(q, k, v, surprise=1)
   fn(q, k, v, promote_dtype=None, force_fp32_for_softmax=True, is_causal=False)  # harmless
@@ -603,7 +603,10 @@ def test_nnx_and_haiku_layers_take_every_linen_field():
   own = {"nnx": {"in_features", "in_kv_features", "deterministic", "rngs"}, "haiku": {"name"}}
   # Haiku has no mesh field: shard Haiku programs with jax.set_mesh around the call. Nor decode: Haiku
   # has no cache collection (its state is explicit; docs/layers.md, "Decoding").
-  missing_ok = {"nnx": set(), "haiku": {"mesh", "decode"}}
+  # flax's MultiHeadDotProductAttention fields are linen's and NNX's: Haiku has no flax module to match.
+  flax_fields = {"qkv_features", "broadcast_dropout", "deterministic", "normalize_qk", "out_kernel_init",
+                 "out_bias_init"}
+  missing_ok = {"nnx": set(), "haiku": {"mesh", "decode"} | flax_fields}
   for kind, cls in (("nnx", flnnx.MultiHeadAttention), ("haiku", flh.MultiHeadAttention)):
     params = set(inspect.signature(cls.__init__).parameters) - {"self"}
     assert params == (linen - missing_ok[kind]) | own[kind], kind

@@ -343,13 +343,13 @@ def test_params_carry_logical_axis_names():
 def test_one_impl_field_reaches_every_layer(monkeypatch, tiny_params):
   ids, seg = tiny_batch()
   seen = []
-  real = fl.api.attention
+  real = fl.api.run  # the layers' path into the contract (fl.attention's too)
 
   def spy(*args, impl, **kwargs):
     seen.append(impl)
     return real(*args, impl=impl, **kwargs)
 
-  monkeypatch.setattr(fl.api, "attention", spy)
+  monkeypatch.setattr(fl.api, "run", spy)
   model = tiny_model(impl="xla_chunked")
   params = tiny_params
   jax.eval_shape(lambda: model.apply({"params": params}, ids, seg, method=model.encode))
