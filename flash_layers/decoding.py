@@ -107,9 +107,10 @@ def step(cache: dict[str, jax.Array], query, key, value, segment_ids, *, ring: b
   n = query.shape[1]
   key, value = key.astype(ck.dtype), value.astype(cv.dtype)
   if not ring:
-    ck = jax.lax.dynamic_update_slice(ck, key, (0, index, 0, 0))
-    cv = jax.lax.dynamic_update_slice(cv, value, (0, index, 0, 0))
-    cs = jax.lax.dynamic_update_slice(cs, segment_ids, (0, index))
+    zero = jnp.zeros((), index.dtype)  # one index type (int32), also under jax_enable_x64
+    ck = jax.lax.dynamic_update_slice(ck, key, (zero, index, zero, zero))
+    cv = jax.lax.dynamic_update_slice(cv, value, (zero, index, zero, zero))
+    cs = jax.lax.dynamic_update_slice(cs, segment_ids.astype(cs.dtype), (zero, index))
     out = attend(query, ck, cv, segment_ids, cs, index, 0)
   else:
     slots = ck.shape[1]

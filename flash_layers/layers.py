@@ -59,7 +59,7 @@ def check_fields(layer) -> None:
   _check_positive_int("num_heads", layer.num_heads, optional=False)
   for name in ("num_kv_heads", "head_dim", "head_dim_v", "out_features", "qkv_features"):
     _check_positive_int(name, getattr(layer, name, None), optional=True)
-  for name in ("broadcast_dropout", "normalize_qk"):
+  for name in ("broadcast_dropout", "normalize_qk", "force_fp32_for_softmax"):
     if not isinstance(getattr(layer, name, False), bool):
       raise TypeError(f"{name} must be a bool; got {getattr(layer, name)!r}")
   deterministic = getattr(layer, "deterministic", None)
@@ -166,6 +166,13 @@ def resolve_deterministic(layer, deterministic: bool | None) -> bool:
   return True if field is None else field
 
 
+def check_decode_inputs(decode: bool, inputs_q, inputs_kv) -> None:
+  """A decoding call appends one key and value per query: their inputs must have the queries' length."""
+  if decode and inputs_kv.shape[-2] != inputs_q.shape[-2]:
+    raise ValueError(f"decode=True appends a key and value per query to the cache: the keys' inputs must "
+                     f"have the queries' length {inputs_q.shape[-2]}; got {inputs_kv.shape[-2]}")
+
+
 def key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v):
   """(inputs of the keys, inputs of the values, self-attention?) from flax's call arguments:
   `inputs_kv` (positional, or flax's `inputs_k`) defaults to inputs_q, `inputs_v` to the keys' inputs."""
@@ -179,10 +186,44 @@ def key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v):
   if inputs_v is None:
     return inputs_kv, inputs_kv, self_attention
   shape = getattr(inputs_v, "shape", None)
-  if shape is None or len(shape) != 3 or tuple(shape[:2]) != tuple(inputs_kv.shape[:2]):
-    raise ValueError(f"inputs_v must have shape [batch, kv_len, features] with the keys' batch and length "
-                     f"{tuple(inputs_kv.shape[:2])}; got {shape or type(inputs_v).__name__}")
+  if shape is None or tuple(shape[:-1]) != tuple(inputs_kv.shape[:-1]):
+    raise ValueError(f"inputs_v must have shape [batch..., kv_len, features] with the keys' batch dims and "
+                     f"length {tuple(inputs_kv.shape[:-1])}; got {shape or type(inputs_v).__name__}")
   return inputs_kv, inputs_v, self_attention
+
+
+def flatten_batch_dims(inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_ids, positions, kv_positions,
+                       mask):
+  """flax's layouts, [batch..., length, features] with any number of batch dims (none too), as the
+  layers' one batch axis: (batch_shape, then every argument flattened). The output is reshaped back
+  to batch_shape by the caller."""
+  if not hasattr(inputs_q, "ndim") or inputs_q.ndim < 2:
+    raise ValueError("inputs_q must have shape [batch..., length, features]; got "
+                     f"{getattr(inputs_q, 'shape', type(inputs_q).__name__)}")
+  batch_shape = tuple(inputs_q.shape[:-2])
+  if len(batch_shape) == 1:
+    return batch_shape, (inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_ids, positions, kv_positions,
+                         mask)
+  n = len(batch_shape)
+
+  def rows(x, trailing: int):  # [batch..., *trailing axes] -> [batch, *trailing axes]
+    if x is None:
+      return None
+    x = jnp.asarray(x)
+    if x.ndim != n + trailing:
+      raise ValueError(f"an argument of shape {tuple(x.shape)} does not have the batch dims {batch_shape} of "
+                       "inputs_q")
+    return _flatten_batch(x, batch_shape)
+
+  flat = (rows(inputs_q, 2), rows(inputs_kv, 2), rows(inputs_v, 2), rows(segment_ids, 1),
+          rows(kv_segment_ids, 1), rows(positions, 1), rows(kv_positions, 1),
+          None if mask is None else _flatten_logits_operand(mask, batch_shape))
+  return batch_shape, flat
+
+
+def sown_weights_dtype(layer, query):
+  """flax's dtype of sown attention weights: float32 with force_fp32_for_softmax, else the queries'."""
+  return jnp.float32 if getattr(layer, "force_fp32_for_softmax", False) else query.dtype
 
 
 def attention_weights(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
@@ -371,6 +412,8 @@ class MultiHeadAttention(nn.Module):
       one dropout mask for every batch row and head (default False here, True in flax); the default of
       the call's `deterministic` (None: True); LayerNorms "query_ln"/"key_ln" (no bias) on each head of
       the projected queries and keys; the out projection's initializers (None: kernel_init, bias_init).
+    force_fp32_for_softmax: the softmax is float32 in every impl whatever it says; it sets the dtype of
+      sown weights as in flax (float32, else the computation dtype).
   """
 
   num_heads: int
@@ -407,6 +450,7 @@ class MultiHeadAttention(nn.Module):
   normalize_qk: bool = False
   out_kernel_init: Callable | None = None
   out_bias_init: Callable | None = None
+  force_fp32_for_softmax: bool = False
 
   def __post_init__(self):
     check_fields(self)
@@ -446,9 +490,11 @@ class MultiHeadAttention(nn.Module):
     Returns [batch, q_len, out_features].
     """
     inputs_kv, inputs_v, self_attention = key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v)
+    batch_shape, flat = flatten_batch_dims(inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_ids,
+                                         positions, kv_positions, mask)
+    inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_ids, positions, kv_positions, mask = flat
     dims = head_dims(self, inputs_q, inputs_kv)
-    if self.decode and not self_attention:
-      raise ValueError("decode=True caches self-attention: call the layer without inputs_kv")
+    check_decode_inputs(self.decode, inputs_q, inputs_kv)
     decoding_now = self.decode and self.has_variable("cache", "cached_key")
     if self.decode and not decoding_now:  # the init call: an empty cache sized by this input
       batch, length = inputs_q.shape[:2]
@@ -456,8 +502,10 @@ class MultiHeadAttention(nn.Module):
       for name, value in decoding.init_values(batch, layout, dims.num_kv_heads, dims.head_dim,
                                               dims.head_dim_v, self.dtype or inputs_q.dtype).items():
         self.variable("cache", name, lambda value=value: value)
-    if decoding_now and positions is None and self.rope_theta is not None:
-      positions = decoding.default_positions(self.get_variable("cache", "cache_index"), *inputs_q.shape[:2])
+    if decoding_now and self.rope_theta is not None:
+      if positions is None:
+        positions = decoding.default_positions(self.get_variable("cache", "cache_index"), *inputs_q.shape[:2])
+      kv_positions = positions if kv_positions is None else kv_positions  # the new keys sit at the queries
     query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
                         QUERY_KERNEL_AXES, QUERY_KERNEL_AXES[1:])(inputs_q)
     key = self._dense("key", (dims.num_kv_heads, dims.head_dim), -1,
@@ -476,9 +524,9 @@ class MultiHeadAttention(nn.Module):
     sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
              else None)
     if sow_weights:
-      self.sow("intermediates", "attention_weights",
-               attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                                 mod_operands, mask))
+      weights = attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
+                                  mod_operands, mask).astype(sown_weights_dtype(self, query))
+      self.sow("intermediates", "attention_weights", weights.reshape(batch_shape + weights.shape[1:]))
     if decoding_now:
       if mask is not None:
         raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids "
@@ -491,7 +539,8 @@ class MultiHeadAttention(nn.Module):
     else:
       out = attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
                          mod_operands, block_mask, mask=mask)
-    return self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
+    out = self._dense("out", dims.out_features, (-2, -1), OUT_KERNEL_AXES, OUT_BIAS_AXES)(out)
+    return out.reshape(batch_shape + out.shape[1:])
 
 
 # ----------------------------------------------------------------------------

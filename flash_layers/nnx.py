@@ -17,6 +17,7 @@ sharded eagerly, so the layer builds with or without a mesh.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -49,6 +50,7 @@ class MultiHeadAttention(nnx.Module):
       `model.train()` / `model.eval()` and `nnx.view` set it.
     rngs: `nnx.Rngs` for the parameters ("params") and, when dropout_rate > 0,
       the dropout keys ("dropout", else "default"), kept by the layer.
+    keep_rngs: keep a fork of the dropout stream (flax's field); False: pass `rngs=` to a call with dropout.
     decode: the default of the call's `decode`: calls append to the KV cache that `init_cache` made
       (`nnx.Cache` variables `cached_key`, `cached_value`, `cache_index`, as flax's
       `nnx.MultiHeadAttention`, and `cached_segment_ids`; flash_layers/decoding.py).
@@ -69,7 +71,7 @@ class MultiHeadAttention(nnx.Module):
                mask_mod: Callable | None = None, score_mod: Callable | None = None, decode: bool = False,
                broadcast_dropout: bool = False, normalize_qk: bool = False,
                out_kernel_init: Callable | None = None, out_bias_init: Callable | None = None,
-               rngs: nnx.Rngs):
+               force_fp32_for_softmax: bool = False, keep_rngs: bool = True, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -93,6 +95,7 @@ class MultiHeadAttention(nnx.Module):
     self.decode = decode
     self.qkv_features = qkv_features
     self.broadcast_dropout, self.normalize_qk = broadcast_dropout, normalize_qk
+    self.force_fp32_for_softmax = force_fp32_for_softmax
     layers.check_fields(self)
     if alibi is not None and not isinstance(alibi, bool):
       # Static data, not an array attribute (which NNX would treat as state).
@@ -126,15 +129,16 @@ class MultiHeadAttention(nnx.Module):
     self.sinks = nnx.Param(sinks_init(rngs.params(), (dims.num_heads,), jnp.float32)) if use_sinks else None
     self.rngs = nnx.data(None)
     self.cached_key = self.cached_value = self.cached_segment_ids = self.cache_index = nnx.data(None)
-    if dropout_rate and ("dropout" in rngs or "default" in rngs):
+    if keep_rngs and dropout_rate and ("dropout" in rngs or "default" in rngs):
       self.rngs = rngs["dropout"].fork()
 
   def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
     """An empty KV cache for inputs of `input_shape` = [batch, max_length, features] (as flax's
     `nnx.MultiHeadAttention.init_cache`); a causal layer with a sliding window keeps a ring buffer of
     the window instead of max_length entries."""
-    if len(input_shape) != 3:
-      raise ValueError(f"input_shape must be [batch, max_length, features]; got {tuple(input_shape)}")
+    if len(input_shape) < 2:
+      raise ValueError(f"input_shape must be [batch..., max_length, features]; got {tuple(input_shape)}")
+    input_shape = (math.prod(input_shape[:-2]), *input_shape[-2:])  # the call flattens the batch dims
     if self.global_tokens:
       raise ValueError("decoding with global_tokens is not supported (layers.check_fields says why)")
     dims = layers.resolve_dims(self, self.in_features)
@@ -170,6 +174,9 @@ class MultiHeadAttention(nnx.Module):
     Returns [batch, q_len, out_features].
     """
     inputs_kv, inputs_v, self_attention = layers.key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v)
+    batch_shape, flat = layers.flatten_batch_dims(inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_ids,
+                                                positions, kv_positions, mask)
+    inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_ids, positions, kv_positions, mask = flat
     layers.head_dims(self, inputs_q, inputs_kv)  # validates the shapes
     for name, x, want in (("inputs_q", inputs_q, self.in_features),
                           ("inputs_kv", inputs_kv, self.in_kv_features),
@@ -180,21 +187,23 @@ class MultiHeadAttention(nnx.Module):
     deterministic = layers.resolve_deterministic(self, deterministic)
     dropout_rng = self._dropout_key(rngs) if layers.needs_dropout_rng(self, deterministic) else None
     decode = self.decode if decode is None else decode
-    if decode and not self_attention:
-      raise ValueError("decode=True caches self-attention: call the layer without inputs_kv")
+    layers.check_decode_inputs(decode, inputs_q, inputs_kv)
     if decode and self.cache_index is None:
       raise ValueError("decode=True needs a KV cache: call layer.init_cache(input_shape) first")
-    if decode and positions is None and self.rope_theta is not None:
-      positions = decoding.default_positions(self.cache_index[...], *inputs_q.shape[:2])
+    if decode and self.rope_theta is not None:
+      if positions is None:
+        positions = decoding.default_positions(self.cache_index[...], *inputs_q.shape[:2])
+      kv_positions = positions if kv_positions is None else kv_positions  # the new keys sit at the queries
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_v)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     sinks = None if self.sinks is None else self.sinks[...]
     if sow_weights:
-      self.sow(nnx.Intermediate, "attention_weights",
-               layers.attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
-                                        sinks, mod_operands, mask))
+      weights = layers.attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
+                                         sinks, mod_operands, mask)
+      weights = weights.astype(layers.sown_weights_dtype(self, query))
+      self.sow(nnx.Intermediate, "attention_weights", weights.reshape(batch_shape + weights.shape[1:]))
     if decode:
       if mask is not None:
         raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids "
@@ -207,7 +216,8 @@ class MultiHeadAttention(nnx.Module):
     else:
       out = layers.attend_heads(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
                                 mod_operands, block_mask, mask=mask)
-    return self.out(out)
+    out = self.out(out)
+    return out.reshape(batch_shape + out.shape[1:])
 
   def _dropout_key(self, rngs) -> jax.Array:
     rngs = self.rngs if rngs is None else rngs

@@ -69,5 +69,9 @@ LONG_TESTS = {
 }
 
 
+# flax's own test files, run against our layers by tests/test_flax_upstream.py (not collected as they are).
+collect_ignore = ["flax_upstream"]
+
+
 def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: -LONG_TESTS.get(item.nodeid, 0))  # stable: the rest keep their order

@@ -105,7 +105,7 @@ def test_decoding_refuses_what_it_cannot_serve():
   layer = fl.MultiHeadAttention(num_heads=2, causal=True, decode=True)
   x = jnp.ones((1, 4, 8))
   variables = layer.init(jax.random.key(0), x)
-  with pytest.raises(ValueError, match="inputs_kv"):
+  with pytest.raises(ValueError, match="queries' length"):  # one key and value appended per query
     layer.apply(variables, x[:, :1], x, mutable=["cache"])
   with pytest.raises(ValueError, match="must not be -1"):
     layer.apply(variables, x[:, :1], segment_ids=np.full((1, 1), -1), mutable=["cache"])

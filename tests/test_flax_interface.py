@@ -144,3 +144,18 @@ def test_flax_fields_are_checked():
   params = nn.meta.unbox(zero_out.init(jax.random.key(0), X))["params"]
   assert not np.any(params["out"]["kernel"]) and np.all(params["out"]["bias"] == 1)
   assert np.any(params["query"]["kernel"])
+
+
+@pytest.mark.parametrize("batch_shape", [(), (2, 3)])
+def test_any_number_of_batch_dims(batch_shape):
+  """flax's layouts: [batch..., length, features] with no batch dim, or several, as one flattened batch."""
+  layer = fl.MultiHeadAttention(num_heads=2, causal=True, impl="xla_dense")
+  x = jax.random.normal(jax.random.key(0), batch_shape + (5, 8))
+  flat = x.reshape((-1, 5, 8))
+  variables = layer.init(jax.random.key(1), flat)
+  mask = jnp.tril(jnp.ones((5, 5), bool))[None]  # [heads|1, q, kv], shared by every batch dim
+  got = layer.apply(variables, x, mask=mask)
+  assert got.shape == batch_shape + (5, 8)
+  np.testing.assert_allclose(got.reshape(flat.shape), layer.apply(variables, flat, mask=mask[None]), **TOL)
+  nnx_layer = flnnx.MultiHeadAttention(2, 8, causal=True, impl="xla_dense", rngs=nnx.Rngs(0))
+  np.testing.assert_allclose(nnx_layer(x).reshape(flat.shape), nnx_layer(flat), **TOL)

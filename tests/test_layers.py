@@ -441,8 +441,8 @@ def test_bad_inputs_raise_clear_errors(kind):
   layer = make_layer(kind, num_heads=HEADS, impl="reference")
   params = jax.eval_shape(fl.MultiHeadAttention(num_heads=HEADS).init, jax.random.key(0), inputs())
   check = lambda *args, **kwargs: jax.eval_shape(layer.apply, params, *args, **kwargs)
-  with pytest.raises(ValueError, match=r"inputs_q must have shape \[batch, length, features\]"):
-    check(jnp.ones((Q_LEN, EMBED)))
+  with pytest.raises(ValueError, match=r"inputs_q must have shape \[batch\.\.\., length, features\]"):
+    check(jnp.ones((EMBED,)))  # [length, features] is flax's unbatched form, and taken
   with pytest.raises(ValueError, match="batch sizes differ"):
     check(inputs(), jnp.ones((BATCH + 1, KV_LEN, EMBED)))
   with pytest.raises(ValueError, match="kv_segment_ids"):
@@ -600,12 +600,12 @@ def test_nnx_dropout_with_rngs_train_and_eval():
 
 def test_nnx_and_haiku_layers_take_every_linen_field():
   linen = {f.name for f in dataclasses.fields(fl.MultiHeadAttention)} - {"parent", "name"}
-  own = {"nnx": {"in_features", "in_kv_features", "deterministic", "rngs"}, "haiku": {"name"}}
+  own = {"nnx": {"in_features", "in_kv_features", "deterministic", "rngs", "keep_rngs"}, "haiku": {"name"}}
   # Haiku has no mesh field: shard Haiku programs with jax.set_mesh around the call. Nor decode: Haiku
   # has no cache collection (its state is explicit; docs/layers.md, "Decoding").
   # flax's MultiHeadDotProductAttention fields are linen's and NNX's: Haiku has no flax module to match.
   flax_fields = {"qkv_features", "broadcast_dropout", "deterministic", "normalize_qk", "out_kernel_init",
-                 "out_bias_init"}
+                 "out_bias_init", "force_fp32_for_softmax"}
   missing_ok = {"nnx": set(), "haiku": {"mesh", "decode"} | flax_fields}
   for kind, cls in (("nnx", flnnx.MultiHeadAttention), ("haiku", flh.MultiHeadAttention)):
     params = set(inspect.signature(cls.__init__).parameters) - {"self"}
