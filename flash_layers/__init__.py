@@ -16,14 +16,14 @@ from flash_layers.api import Explanation, attention, block_mask, explain  # noqa
 from flash_layers.dropout import dropout_mask  # noqa: E402
 from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
 from flash_layers.impls.tiling import BlockSizes, CpuBlockSizes, GpuBlockSizes  # noqa: E402
-from flash_layers.layers import MultiHeadAttention, attention_fn  # noqa: E402
+from flash_layers.layers import MultiHeadAttention, MultiHeadDotProductAttention, attention_fn  # noqa: E402
 from flash_layers.lowering import interpret_as  # noqa: E402
 from flash_layers.mods import BlockMask  # noqa: E402
 from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
 from flash_layers.tuning.tuner import autotune  # noqa: E402
 
 __all__ = ["IMPLS", "LOGICAL_RULES", "BlockMask", "BlockSizes", "CpuBlockSizes", "Explanation",
-           "GpuBlockSizes", "MultiHeadAttention", "UnsupportedError", "alibi_slopes", "attention",
-           "attention_fn", "autotune", "block_mask", "dropout_mask", "explain", "interpret_as", "make_mesh",
-           "masks"]
+           "GpuBlockSizes", "MultiHeadAttention", "MultiHeadDotProductAttention", "UnsupportedError",
+           "alibi_slopes", "attention", "attention_fn", "autotune", "block_mask", "dropout_mask", "explain",
+           "interpret_as", "make_mesh", "masks"]
 __version__ = "0.1.0"

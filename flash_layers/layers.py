@@ -543,6 +543,11 @@ class MultiHeadAttention(nn.Module):
     return out.reshape(batch_shape + out.shape[1:])
 
 
+class MultiHeadDotProductAttention(MultiHeadAttention):
+  """`MultiHeadAttention` under flax's class name. Swapped in for `nn.MultiHeadDotProductAttention`, it keeps
+  a model's auto-named parameter paths (`MultiHeadDotProductAttention_0`, ...), so its checkpoints load."""
+
+
 # ----------------------------------------------------------------------------
 # attention_fn: flash_layers inside flax's own attention modules
 # ----------------------------------------------------------------------------
