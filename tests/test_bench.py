@@ -194,3 +194,18 @@ def test_eval_cost_e2e_summary_keeps_every_run_and_rounds_done(tmp_path):
   partial = {512: {"cold": [run(10.0)], "warm": []}, 4096: {"cold": [], "warm": []}}
   result = eval_cost._write_e2e(args, [512, 4096], partial, {})
   assert result["rounds_done"] == 0 and result["summary"] == {} and len(result["cases"]) == 1
+
+
+def test_decode_cpu_times_both_layers_and_says_what_runs(tmp_path):
+  """benchmarks/decode_cpu.py on a tiny case: both layers timed per step, the ratio of their medians, and
+  "auto"'s choice for a decoding step (xla_dense on a CPU) recorded with each row."""
+  from benchmarks import decode_cpu
+  out = tmp_path / "decode.json"
+  result = decode_cpu.main(["--cache-lens", "1024", "--batch", "1", "--features", "32", "--num-heads", "2",
+                            "--steps", "3", "--warmup", "1", "--json", str(out)])
+  (row,) = result["rows"]
+  assert row["cache_len"] == 1024 and row["ours_runs"].startswith("xla_dense")
+  for kind in ("flash_layers", "flax"):
+    assert row[kind]["cpu_ms"] > 0 and row[kind]["wall_ms"] > 0
+  assert row["ratio_cpu"] == round(row["flash_layers"]["cpu_ms"] / row["flax"]["cpu_ms"], 3)
+  assert json.loads(out.read_text())["rows"] == result["rows"]
