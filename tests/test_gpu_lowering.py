@@ -113,3 +113,22 @@ def test_dropout_and_alibi_lower_to_our_triton_kernels():
 
   text = _lower_for_cuda(jax.grad(loss, (0, 1, 2)), *specs)
   assert sorted(KERNEL_NAME.findall(text)) == sorted(FORWARD_BACKWARD)
+
+
+@pytest.mark.parametrize("window", [None, 64], ids=["full_cache", "ring_buffer"])
+def test_a_decoding_step_lowers_to_our_triton_kernel(window):
+  """One token through `fl.MultiHeadAttention(decode=True)` (GQA, rotary, bfloat16, a 1,024-token cache or
+  a 64-key window's ring buffer): the traced cache index reaches our forward kernel as an offset."""
+  layer = fl.MultiHeadAttention(num_heads=8, num_kv_heads=2, causal=True, rope_theta=1e4, impl="flash_pallas",
+                                window=None if window is None else (window, 0), decode=True,
+                                dtype=jnp.bfloat16)
+  shapes = jax.eval_shape(layer.init, jax.random.key(0), jax.ShapeDtypeStruct((2, 1024, 512), jnp.bfloat16))
+
+  def step(params, cache, x):
+    y, updated = layer.apply({"params": params, "cache": cache}, x, mutable=["cache"])
+    return y, updated["cache"]
+
+  token = jax.ShapeDtypeStruct((2, 1, 512), jnp.bfloat16)
+  text = _lower_for_cuda(step, shapes["params"], shapes["cache"], token)
+  assert len(TRITON_CALL.findall(text)) == 1
+  assert KERNEL_NAME.findall(text) == FORWARD

@@ -264,3 +264,24 @@ def test_262k_tokens_on_one_v5p_chip_keep_temporaries_linear():
   q_bytes = shape.tokens * shape.heads * shape.head_dim * 2
   # 772 MiB is 12.06 bfloat16 q-sized buffers (64 MiB each); with the alias it was 14.06.
   assert memory.temp_size_in_bytes <= 12.25 * q_bytes, memory.temp_size_in_bytes / 2**20
+
+
+@pytest.mark.parametrize("window", [None, 128], ids=["full_cache", "ring_buffer"])
+def test_a_decoding_step_compiles_to_our_mosaic_kernel(window):
+  """One token through `fl.MultiHeadAttention(decode=True)` (GQA, rotary, bfloat16, a 2,048-token cache or
+  the ring buffer of a 128-key window): the traced cache index reaches our forward kernel as an offset."""
+  placed = jax.sharding.SingleDeviceSharding(_device("v5e"))
+  layer = fl.MultiHeadAttention(num_heads=8, num_kv_heads=2, causal=True, rope_theta=1e4, impl="flash_pallas",
+                                window=None if window is None else (window, 0), decode=True,
+                                dtype=jnp.bfloat16)
+  shapes = jax.eval_shape(layer.init, jax.random.key(0), jax.ShapeDtypeStruct((4, 2048, 512), jnp.bfloat16))
+  on_chip = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placed), tree)
+  token = jax.ShapeDtypeStruct((4, 1, 512), jnp.bfloat16, sharding=placed)
+
+  def step(params, cache, x):
+    y, updated = layer.apply({"params": params, "cache": cache}, x, mutable=["cache"])
+    return y, updated["cache"]
+
+  compiled = jax.jit(step).lower(on_chip(shapes["params"]), on_chip(shapes["cache"]), token).compile()
+  assert _mosaic_kernels(compiled.as_text()) == ["flash_layers_fwd"]
+  assert shapes["cache"]["cached_key"].shape == (4, 2048 if window is None else window, 2, 64)
