@@ -6,7 +6,7 @@
 Both layers: self-attention over [batch, 1, features] inputs with a KV cache of `cache_len` entries,
 half full (the cost of a step does not depend on how full: both attend to every slot and mask the
 unwritten ones), float32. Ours: `fl.MultiHeadAttention(num_heads, causal=True, decode=True)`, impl
-"auto" (on a CPU, xla_dense for up to 16 queries: dispatch.CPU_DECODE_MAX_Q_LEN), or `--impl`.
+"auto" (on a CPU, xla_dense for up to 16 queries: cpu_loop.FEW_QUERIES), or `--impl`.
 flax's: `nn.MultiHeadDotProductAttention(num_heads, decode=True)` with its default attention. Each
 step is one jitted `apply(..., mutable=["cache"])` with the cache donated (updated in place, as a
 generation loop runs it). `--num-kv-heads` below num_heads makes ours a GQA layer with a cache that

@@ -91,9 +91,12 @@ def check_segment_ids(segment_ids, batch: int, length: int) -> jax.Array:
   return segment_ids
 
 
-def default_positions(cache_index: jax.Array, batch: int, length: int) -> jax.Array:
-  """Rotary positions of the new tokens when the call gives none: cache_index, cache_index + 1, ..."""
-  return jnp.broadcast_to(cache_index + jnp.arange(length, dtype=jnp.int32), (batch, length))
+def rotary_positions(cache_index: jax.Array, batch: int, length: int, positions, kv_positions):
+  """(positions, kv_positions) of a decoding call's new tokens: the given ones, else cache_index,
+  cache_index + 1, ...; the new keys sit at their queries' positions unless kv_positions are given."""
+  if positions is None:
+    positions = jnp.broadcast_to(cache_index + jnp.arange(length, dtype=jnp.int32), (batch, length))
+  return positions, positions if kv_positions is None else kv_positions
 
 
 def step(cache: dict[str, jax.Array], query, key, value, segment_ids, *, ring: bool, attend):
@@ -126,5 +129,5 @@ def step(cache: dict[str, jax.Array], query, key, value, segment_ids, *, ring: b
   return out, {"cached_key": ck, "cached_value": cv, "cached_segment_ids": cs, "cache_index": index + n}
 
 
-__all__ = ["CACHE_NAMES", "UNWRITTEN", "Layout", "check_segment_ids", "default_positions", "init_values",
-           "is_ring", "layout", "step"]
+__all__ = ["CACHE_NAMES", "UNWRITTEN", "Layout", "check_segment_ids", "init_values", "is_ring", "layout",
+           "rotary_positions", "step"]

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import dropout, lowering, masks, mods
-from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, registry, tiling
+from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, cpu_loop, registry, tiling
 from flash_layers.tuning import cache as tuning_cache
 
 log = logging.getLogger("flash_layers")
@@ -30,9 +30,8 @@ AUTO = "auto"
 # differentiated one batch row and kv head at a time there (impls/cpu_loop.py). (docs/contract.md:
 # the auto rule; docs/benchmarks.md: the crossover.)
 CPU_CHUNKED_MIN_KV_LEN = 1024
-# Decoding (a few new queries against a long KV cache): the [q_len, kv_len] logits stay small at any
-# kv_len, so "auto" keeps xla_dense on CPU for up to this many queries.
-CPU_DECODE_MAX_Q_LEN = 16
+# Decoding (up to cpu_loop.FEW_QUERIES new queries against a long KV cache): the [q_len, kv_len] logits
+# stay small at any kv_len, so "auto" keeps xla_dense on CPU, and the call runs whole.
 
 
 
@@ -383,8 +382,8 @@ def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
                     ("xla_chunked", "GPU: flash_pallas cannot serve it; chunked keeps memory linear"),
                     ("xla_native", "GPU: XLA attention"),
                     ("reference", "GPU: nothing else serves this request")]
-  if request.kv_len >= CPU_CHUNKED_MIN_KV_LEN and request.q_len <= CPU_DECODE_MAX_Q_LEN:
-    return [("xla_dense", f"CPU: q_len {request.q_len} <= {CPU_DECODE_MAX_Q_LEN} (decoding): the "
+  if request.kv_len >= CPU_CHUNKED_MIN_KV_LEN and request.q_len <= cpu_loop.FEW_QUERIES:
+    return [("xla_dense", f"CPU: q_len {request.q_len} <= {cpu_loop.FEW_QUERIES} (decoding): the "
              f"[q_len, kv_len] logits stay small at kv_len {request.kv_len}"),
             ("xla_chunked", "CPU: xla_dense cannot serve it"),
             ("reference", "CPU: nothing else serves this request")]

@@ -221,17 +221,15 @@ def flatten_batch_dims(inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_id
   return batch_shape, flat
 
 
-def sown_weights_dtype(layer, query):
-  """flax's dtype of sown attention weights: float32 with force_fp32_for_softmax, else the queries'."""
-  return jnp.float32 if getattr(layer, "force_fp32_for_softmax", False) else query.dtype
-
-
-def attention_weights(layer, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None, sinks=None,
-                      mod_operands=None, mask=None) -> jax.Array:
-  """The probabilities [batch, heads, q_len, kv_len] of the call `attend_heads` makes, for flax's
-  `sow_weights`: served when that call runs an impl that materialises them (SOWS_WEIGHTS), unsharded."""
+def attention_weights(layer, batch_shape, query, key, value, segment_ids, kv_segment_ids, dropout_rng=None,
+                      sinks=None, mod_operands=None, mask=None) -> jax.Array:
+  """The probabilities [batch..., heads, q_len, kv_len] of the call `attend_heads` makes, for flax's
+  `sow_weights`: served when that call runs an impl that materialises them (SOWS_WEIGHTS), unsharded.
+  Their dtype is flax's: float32 with force_fp32_for_softmax, else the queries'."""
   options = _options(layer, segment_ids, kv_segment_ids, dropout_rng, mod_operands, None, 0, 0, mask)
-  return _weights(query, key, value, layer.impl, getattr(layer, "mesh", None), sinks, options)
+  weights = _weights(query, key, value, layer.impl, getattr(layer, "mesh", None), sinks, options)
+  weights = weights.astype(jnp.float32 if getattr(layer, "force_fp32_for_softmax", False) else query.dtype)
+  return weights.reshape(tuple(batch_shape) + weights.shape[1:])
 
 
 def _weights(query, key, value, impl: str, mesh, sinks, options: dict) -> jax.Array:
@@ -298,11 +296,13 @@ def _options(layer, segment_ids, kv_segment_ids, dropout_rng, mod_operands, bloc
 
 
 def decode_step(layer, cache: dict, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                mod_operands, block_mask):
+                mod_operands, block_mask, mask):
   """A decoding call of a layer with decode=True (flash_layers/decoding.py): (output, new cache)."""
   if kv_segment_ids is not None or block_mask is not None:
     raise ValueError("a decoding call takes segment_ids for its new tokens only (the cache keeps the "
                      "keys' ids); kv_segment_ids and block_mask are not accepted")
+  if mask is not None:
+    raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids mask it)")
   batch, length = query.shape[:2]
   segment_ids = decoding.check_segment_ids(segment_ids, batch, length)
   ring = decoding.is_ring(layer, cache["cached_key"].shape[1])
@@ -503,9 +503,8 @@ class MultiHeadAttention(nn.Module):
                                               dims.head_dim_v, self.dtype or inputs_q.dtype).items():
         self.variable("cache", name, lambda value=value: value)
     if decoding_now and self.rope_theta is not None:
-      if positions is None:
-        positions = decoding.default_positions(self.get_variable("cache", "cache_index"), *inputs_q.shape[:2])
-      kv_positions = positions if kv_positions is None else kv_positions  # the new keys sit at the queries
+      positions, kv_positions = decoding.rotary_positions(self.get_variable("cache", "cache_index"),
+                                                          *inputs_q.shape[:2], positions, kv_positions)
     query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
                         QUERY_KERNEL_AXES, QUERY_KERNEL_AXES[1:])(inputs_q)
     key = self._dense("key", (dims.num_kv_heads, dims.head_dim), -1,
@@ -524,16 +523,13 @@ class MultiHeadAttention(nn.Module):
     sinks = (self.param("sinks", self.sinks_init, (dims.num_heads,), jnp.float32) if self.use_sinks
              else None)
     if sow_weights:
-      weights = attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng, sinks,
-                                  mod_operands, mask).astype(sown_weights_dtype(self, query))
-      self.sow("intermediates", "attention_weights", weights.reshape(batch_shape + weights.shape[1:]))
+      self.sow("intermediates", "attention_weights",
+               attention_weights(self, batch_shape, query, key, value, segment_ids, kv_segment_ids,
+                                 dropout_rng, sinks, mod_operands, mask))
     if decoding_now:
-      if mask is not None:
-        raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids "
-                         "mask it)")
       cache = {name: self.get_variable("cache", name) for name in decoding.CACHE_NAMES}
       out, cache = decode_step(self, cache, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
-                               sinks, mod_operands, block_mask)
+                               sinks, mod_operands, block_mask, mask)
       for name, value in cache.items():
         self.put_variable("cache", name, value)
     else:

@@ -191,26 +191,21 @@ class MultiHeadAttention(nnx.Module):
     if decode and self.cache_index is None:
       raise ValueError("decode=True needs a KV cache: call layer.init_cache(input_shape) first")
     if decode and self.rope_theta is not None:
-      if positions is None:
-        positions = decoding.default_positions(self.cache_index[...], *inputs_q.shape[:2])
-      kv_positions = positions if kv_positions is None else kv_positions  # the new keys sit at the queries
+      positions, kv_positions = decoding.rotary_positions(self.cache_index[...], *inputs_q.shape[:2],
+                                                          positions, kv_positions)
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_v)
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     query, key = layers.rotate_heads(self, query, key, positions, kv_positions, self_attention)
     sinks = None if self.sinks is None else self.sinks[...]
     if sow_weights:
-      weights = layers.attention_weights(self, query, key, value, segment_ids, kv_segment_ids, dropout_rng,
-                                         sinks, mod_operands, mask)
-      weights = weights.astype(layers.sown_weights_dtype(self, query))
-      self.sow(nnx.Intermediate, "attention_weights", weights.reshape(batch_shape + weights.shape[1:]))
+      self.sow(nnx.Intermediate, "attention_weights",
+               layers.attention_weights(self, batch_shape, query, key, value, segment_ids, kv_segment_ids,
+                                        dropout_rng, sinks, mod_operands, mask))
     if decode:
-      if mask is not None:
-        raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids "
-                         "mask it)")
       cache = {name: getattr(self, name)[...] for name in decoding.CACHE_NAMES}
       out, cache = layers.decode_step(self, cache, query, key, value, segment_ids, kv_segment_ids,
-                                      dropout_rng, sinks, mod_operands, block_mask)
+                                      dropout_rng, sinks, mod_operands, block_mask, mask)
       for name, value in cache.items():
         getattr(self, name)[...] = value
     else:

@@ -8,6 +8,8 @@ buffer, prompts of different lengths in one batch) must give the uncached run's 
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -26,15 +28,7 @@ CALLS = ((0, 5), (5, 6), (6, 7), (7, 10), (10, 11), (11, 12))
 
 
 def _interpreted(impl):
-  return lowering.interpret_as("tpu") if impl == "flash_pallas" else _nothing()
-
-
-class _nothing:
-  def __enter__(self):
-    return None
-
-  def __exit__(self, *exc):
-    return False
+  return lowering.interpret_as("tpu") if impl == "flash_pallas" else contextlib.nullcontext()
 
 
 def _linen_decode(layer, params, cache, x, calls=CALLS, **call_kwargs):
