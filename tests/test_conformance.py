@@ -82,7 +82,7 @@ BF16_CONFIGS = (
     "global_causal_window_packed_batch3", "global_cross_packed", "dropout05_packed_gqa_batch2",
     "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
     "bias_full_dropout_causal_batch2", "bias_shared_cross_packed_alibi", "sinks_orphans_causal_gqa_batch2",
-    "mod_t5_prefix_gqa_batch2", "mod_documents_cross_batch2")
+    "mod_t5_prefix_gqa_batch2", "mod_documents_cross_batch2", "decode_ragged_causal_8k_q4_mqa")
 
 # Our interpreted kernels (seconds per configuration) run bfloat16 on fewer of them, which still
 # hold every feature they serve: tails, several blocks, GQA/MQA, batch, cross lengths, packed
@@ -92,7 +92,7 @@ INTERPRETED_BF16 = (
     "len7_mqa", "len333_causal_h8_kv2", "cross_packed_batch3", "d80", "dv128_d32_causal_gqa",
     "orphan_rows_cross_causal", "causal_window_packed_batch3", "softcap_causal_gqa_packed",
     "global_cross_packed", "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
-    "sinks_orphans_causal_gqa_batch2")
+    "sinks_orphans_causal_gqa_batch2", "decode_ragged_causal_8k_q4_mqa")
 
 F32_TOL = 1e-5
 BF16_FLOOR = 2e-3
@@ -102,8 +102,10 @@ GRADS = ("dq", "dk", "dv")
 @dataclasses.dataclass(frozen=True)
 class Config:
   """One attention problem. ``segments``: None, "packed" (random packed documents, then
-  padding with id 0) or "orphans" (packed, plus a document in the queries that no key
-  belongs to, so its rows see nothing). ``input_scale`` multiplies q and k (large logits
+  padding with id 0), "orphans" (packed, plus a document in the queries that no key
+  belongs to, so its rows see nothing) or "ragged" (a KV cache: each row's keys valid up to its
+  own length, id 1, then unwritten slots, id -1, as `flash_layers.decoding` marks them; lengths
+  full, random, 0 and short). ``input_scale`` multiplies q and k (large logits
   make the softcap bite)."""
 
   name: str
@@ -127,6 +129,7 @@ class Config:
   global_tokens: int = 0
   sinks: bool = False  # a random float32 [heads] of sink logits (differentiated too)
   mods: str | None = None  # a key of MOD_SCENARIOS: mask_mod / score_mod with their operands
+  q_offset: int = 0  # global position of query 0 (a decoding step: kv_len - q_len)
 
   @property
   def s(self) -> int:
@@ -360,6 +363,15 @@ CONFIGS = [
     Config("mod_t5_softcap_dropout_alibi", q_len=40, heads=2, mods="t5_bias", softcap=3.0, alibi=True,
            dropout=0.1, input_scale=2.0),
     Config("mod_softcap_as_score_mod_causal", q_len=50, heads=2, causal=True, mods="cap", input_scale=2.0),
+    # Decoding: a few queries against a long cache with per-row valid lengths (full, random, 0, short),
+    # the queries at the cache's end (q_offset). flash_pallas serves these with its split-KV decode
+    # kernels (flash_pallas/decode.py): GQA groups packed into one tile, splits merged by logsumexp.
+    Config("decode_ragged_8k_gqa", q_len=1, kv_len=8192, batch=3, heads=8, kv_heads=2, head_dim=64,
+           segments="ragged"),
+    Config("decode_ragged_causal_8k_q4_mqa", q_len=4, kv_len=8192, batch=4, heads=4, kv_heads=1,
+           head_dim=128, causal=True, q_offset=8188, segments="ragged"),
+    Config("decode_16q_causal_window_softcap_dv", q_len=16, kv_len=3000, heads=2, causal=True,
+           window=(1000, 0), q_offset=2984, softcap=4.0, input_scale=2.0, head_dim_v=64),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -382,6 +394,10 @@ def _packed_ids(rng, batch, length, num_docs, pad):
 def _segment_kwargs(cfg: Config, rng) -> dict:
   if cfg.segments is None:
     return {}
+  if cfg.segments == "ragged":
+    lengths = [cfg.s, int(rng.integers(1, cfg.s)), 0, int(rng.integers(1, 9))][:cfg.batch]
+    kv_ids = np.where(np.arange(cfg.s)[None, :] < np.array(lengths)[:, None], 1, -1).astype(np.int32)
+    return {"segment_ids": np.ones((cfg.batch, cfg.q_len), np.int32), "kv_segment_ids": kv_ids}
   num_docs = int(rng.integers(1, 5))
   q_ids = _packed_ids(rng, cfg.batch, cfg.q_len, num_docs, pad=int(rng.integers(0, cfg.q_len // 4 + 1)))
   if cfg.s == cfg.q_len:
@@ -412,7 +428,7 @@ class Problem:
   def kwargs(self) -> dict:
     cfg = self.cfg
     kwargs = {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale,
-              "global_tokens": cfg.global_tokens}
+              "global_tokens": cfg.global_tokens, "q_offset": cfg.q_offset}
     if cfg.dropout:
       kwargs.update(dropout_rate=cfg.dropout, dropout_rng=dropout_key(cfg, self.seed),
                     dropout_broadcast=cfg.dropout_broadcast)
@@ -439,7 +455,7 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
   # Round to the test dtype first, so float64 sees exactly the values the impl sees.
   arrays = tuple(np.asarray(jnp.asarray(a, dtype).astype(jnp.float32)) for a in arrays)
   seg = _segment_kwargs(cfg, rng)
-  visible = reference64.mask(b, t, s, causal=cfg.causal, window=cfg.window,
+  visible = reference64.mask(b, t, s, causal=cfg.causal, window=cfg.window, q_offset=cfg.q_offset,
                              global_tokens=cfg.global_tokens, **seg)[:, None]
   q, k, v, dout = arrays
   bias = None

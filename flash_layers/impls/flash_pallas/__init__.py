@@ -25,6 +25,7 @@ import jax
 from flash_layers import lowering, masks
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.flash_pallas import decode
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
 _FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
@@ -129,7 +130,10 @@ class FlashPallas:
 
   def kernel(self, request: Request, platform: str) -> str:
     family, interpreted = family_for(platform)
-    return f"pallas-{family}" + (" (interpret)" if interpreted else "")
+    name = f"pallas-{family}" + (" (interpret)" if interpreted else "")
+    if decode.unserved(request) is None:
+      name += f", {decode.describe(request, family)}"
+    return name
 
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(blocks visited, blocks total) over batch and heads; None when segment ids are traced."""
@@ -137,6 +141,8 @@ class FlashPallas:
     message = wrong_block_sizes(request, family, _where(platform))
     if message is not None:  # explain() says now what the call would raise
       raise ValueError(message)
+    if decode.unserved(request) is None:
+      return decode.block_stats(request, args, family)
     block_q, block_kv = _family(family).block_shape(request, platform)
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
@@ -146,11 +152,17 @@ class FlashPallas:
     """Grid steps of the forward kernel over batch and heads (TPU family: its grid holds only
     the visible ranges; the GPU family loops over kv blocks inside each program: None)."""
     family, _ = family_for(platform)
+    if decode.unserved(request) is None:
+      return decode.grid_steps(request, args, family)
     return _family(family).grid_steps(request, args)
 
   def attend(self, q, k, v, *, request: Request, args: Args):
     b, t, h, dv = q.shape[0], q.shape[1], q.shape[2], v.shape[3]
     shapes = (jax.ShapeDtypeStruct((b, t, h, dv), q.dtype), jax.ShapeDtypeStruct((b, h, t), "float32"))
+    if decode.unserved(request) is None:  # a few queries against a long cache: split-KV (decode.py)
+      return _by_family(request, q, k, v, shapes, lambda family, interpret: (
+          lambda q, k, v: decode.attention(q, k, v, request=request, args=args, family=family,
+                                           interpret=interpret)))
     return _by_family(request, q, k, v, shapes, lambda family, interpret: (
         lambda q, k, v: _family(family).flash_attention(q, k, v, request=request, args=args,
                                                         interpret=interpret)))

@@ -1,0 +1,156 @@
+"""flash_pallas's split-KV decode kernel for the GPU (Triton); the scheme is in `decode.py`.
+
+Grid ``(splits, batch * kv_heads)``: one program per split of one (batch row, kv head). A decoding step
+on one sequence has few (batch, kv head) pairs (8 on a GQA model) where an H100 or H200 has 132 SMs, so
+the splits multiply the programs to about two per SM (`TARGET_PROGRAMS`); each program loops
+(`lax.fori_loop`, an ``scf.for``) over its share of the row's run of kv blocks, bounds read from the plan.
+
+Tiles: the q tile is the GQA group's rows, padded in HBM to a power of two of at least 16 rows (what
+``tl.dot`` wants) and head_dim to a power of two (small: q_len <= 16), kept in registers for the whole
+loop. K/V stay as the cache holds them, ``[b, len, kv_heads, d]``, read in ``(block_kv, d_pad)`` tiles
+with masked loads (keys past the length and columns past head_dim read as 0), as the forward kernel
+reads them. The softmax runs in base 2, in float32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from flash_layers import masks
+from flash_layers.impls.base import Request
+from flash_layers.impls.flash_pallas import decode
+from flash_layers.impls.flash_pallas.gpu import _load, _ragged, _store
+from flash_layers.impls.tiling import MIN_GPU_TILE, GpuBlockSizes, round_up
+
+LOG2E = math.log2(math.e)
+# Keys per loop step: 64 keys of up to 128 dims keep K, V and a [rows, 64] logits tile in registers for
+# 4 warps at 128 rows; wider heads take 32 (FlashAttention-2's decode tiles are of this size).
+BLOCK_KV = 64
+# Programs to aim for: about two per SM of an H100/H200 (132 SMs).
+TARGET_PROGRAMS = 264
+NUM_WARPS = 4
+NUM_STAGES = 2
+
+
+def tiles(request: Request) -> tuple[int, int]:
+  """(block_kv, splits) of the decode kernel for `request`."""
+  sizes = request.block_sizes
+  if isinstance(sizes, GpuBlockSizes):
+    block_kv = sizes.block_kv
+  else:
+    block_kv = BLOCK_KV if max(request.head_dim, request.head_dim_v) <= 128 else BLOCK_KV // 2
+  num_blocks = -(-request.kv_len // block_kv)
+  return block_kv, decode.splits_for(num_blocks, request.batch * request.num_kv_heads, TARGET_PROGRAMS)
+
+
+def _pow2(n: int) -> int:
+  return max(MIN_GPU_TILE, pl.next_power_of_2(n))
+
+
+def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.DecodeCall, rows_pad: int):
+  if call.request.has_segment_ids:
+    q_seg_ref, kv_seg_ref, o_ref, lse_ref = refs
+  else:
+    o_ref, lse_ref = refs
+  r = call.request
+  split, bk = pl.program_id(0), pl.program_id(1)
+  b = bk // r.num_kv_heads
+  first, count, per_split = plan_ref[3 * b], plan_ref[3 * b + 1], plan_ref[3 * b + 2]
+  lo = split * per_split
+  hi = jnp.minimum(lo + per_split, count)
+  block_kv = call.block_kv
+  kv_rows = _ragged(r.kv_len, block_kv)
+  q = q_ref[...]  # [rows_pad, d_pad], padded in HBM
+  q_pos = offsets_ref[0] + (jnp.arange(rows_pad, dtype=jnp.int32) % r.q_len)[:, None]
+  q_seg = q_seg_ref[...][:, None] if r.has_segment_ids else None
+  precision = r.precision if q.dtype == jnp.float32 else lax.Precision.DEFAULT
+
+  def dot(a, b, contract):
+    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+  def step(i, carry):
+    acc, m, denom = carry
+    block = first + i
+    start = block * block_kv
+    kv_slice = pl.ds(start, block_kv)
+    k = _load(k_ref.at[kv_slice, :], start, kv_rows, r.head_dim)
+    s = dot(q, k, ((1,), (1,)))  # [rows_pad, block_kv]
+    if r.softcap is None:
+      s = s * (r.scale * LOG2E)
+    else:
+      s = jnp.tanh(s * (r.scale / r.softcap)) * (r.softcap * LOG2E)
+    kv_local = start + jnp.arange(block_kv, dtype=jnp.int32)
+    kv_seg = None
+    if r.has_segment_ids:
+      kv_seg = _load(kv_seg_ref.at[kv_slice], start, kv_rows, other=-1)[None, :]
+    visible = masks.visible(q_pos, (offsets_ref[1] + kv_local)[None, :], r.spec, q_seg, kv_seg)
+    visible = visible & (kv_local < r.kv_len)[None, :]
+    s = jnp.where(visible, s, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: exp2 gives 0, not NaN
+    rescale = jnp.exp2(m - m_safe)
+    p = jnp.exp2(s - m_safe[:, None])
+    v = _load(v_ref.at[kv_slice, :], start, kv_rows, r.head_dim_v)
+    acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v, ((1,), (0,)))
+    return acc, m_new, denom * rescale + p.sum(axis=-1)
+
+  dv_pad = o_ref.shape[-1]
+  init = (jnp.zeros((rows_pad, dv_pad), jnp.float32), jnp.full((rows_pad,), -jnp.inf, jnp.float32),
+          jnp.zeros((rows_pad,), jnp.float32))
+  acc, m, denom = lax.fori_loop(lo, hi, step, init)
+  seen = denom > 0  # a split that saw no key: zeros and lse -inf (merge gives it weight 0)
+  denom = jnp.where(seen, denom, 1.0)
+  _store(o_ref, acc / denom[:, None])
+  _store(lse_ref, jnp.where(seen, (m + jnp.log2(denom)) / LOG2E, -jnp.inf))
+
+
+def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
+  """(out_parts [b, kv_heads, splits, rows_pad, dv_pad] float32, lse_parts [b, kv_heads, splits,
+  rows_pad]); the caller slices rows, `merge` and the unpacking drop the padding."""
+  r = call.request
+  b, kvh = q.shape[0], r.num_kv_heads
+  rows_pad, d_pad, dv_pad = _pow2(call.rows), _pow2(r.head_dim), _pow2(r.head_dim_v)
+  kv_ext = round_up(r.kv_len, call.block_kv)
+  q_rows = jnp.pad(decode.pack_queries(call, q),
+                   ((0, 0), (0, 0), (0, rows_pad - call.rows), (0, d_pad - r.head_dim)))
+  # The plan and offsets are read as scalars (Triton has no scalar prefetch): whole, power-of-two long.
+  plan = table.reshape(-1)
+  plan = jnp.pad(plan, (0, pl.next_power_of_2(plan.size) - plan.size))
+  whole = lambda x: pl.BlockSpec(x.shape, lambda s, j: (0,) * x.ndim)  # noqa: E731
+  arrays = [plan, offsets, q_rows, k, v]
+  specs = [whole(plan), whole(offsets),
+           pl.BlockSpec((None, None, rows_pad, d_pad), lambda s, j: (j // kvh, j % kvh, 0, 0)),
+           pl.BlockSpec((None, kv_ext, None, d_pad), lambda s, j: (j // kvh, 0, j % kvh, 0)),
+           pl.BlockSpec((None, kv_ext, None, dv_pad), lambda s, j: (j // kvh, 0, j % kvh, 0))]
+  if r.has_segment_ids:
+    arrays += [jnp.pad(decode.row_segments(call, q_seg), ((0, 0), (0, rows_pad - call.rows))), kv_seg]
+    specs += [pl.BlockSpec((None, rows_pad), lambda s, j: (j // kvh, 0)),
+              pl.BlockSpec((None, kv_ext), lambda s, j: (j // kvh, 0))]
+  out_shape = [jax.ShapeDtypeStruct((b, kvh, call.splits, rows_pad, dv_pad), jnp.float32),
+               jax.ShapeDtypeStruct((b, kvh, call.splits, rows_pad), jnp.float32)]
+  q_off, kv_off = call.static_offsets or (0, 0)
+  pairs = b * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec, q_off, kv_off)
+  cost = pl.CostEstimate(
+      flops=int(2 * pairs * (r.head_dim + r.head_dim_v)),
+      transcendentals=int(pairs * (1 + (r.softcap is not None))),
+      bytes_accessed=int(sum(x.size * x.dtype.itemsize for x in (q, k, v))
+                         + 4 * sum(math.prod(s.shape) for s in out_shape)))
+  out, lse = pl.pallas_call(
+      functools.partial(_kernel, call=call, rows_pad=rows_pad), grid=(call.splits, b * kvh),
+      in_specs=specs,
+      out_specs=[
+          pl.BlockSpec((None, None, None, rows_pad, dv_pad), lambda s, j: (j // kvh, j % kvh, s, 0, 0)),
+          pl.BlockSpec((None, None, None, rows_pad), lambda s, j: (j // kvh, j % kvh, s, 0))],
+      out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+      cost_estimate=cost, interpret=call.interpret, name="flash_pallas_gpu_decode",
+  )(*arrays)
+  return out[..., :r.head_dim_v], lse
