@@ -69,7 +69,9 @@ _EVAL_1, _EVAL_6 = "eval-cost-cpu-2026-12-01-looped.json", "eval-cost-cpu-2026-1
 _EVAL_E2E = "eval-cost-e2e-cpu-2026-12-04.json"
 _EVAL_PROFILE = "eval-profile-cpu-2026-12-03.json"
 _MEMORY = "memory-cpu-2026-12-01.json"
-_QUICK = "quickstart-cpu-2026-12-02.json"
+_DECODE_AOT = "decode-aot-2026-12-04.json"
+_QUICK = "quickstart-cpu-2026-12-04.json"
+_HF_EXPORT = "hf-export-check-2026-12-04.json"
 _V5P_262K = "tpu-aot-v5p-262k-causal-packed-2026-12-03.json"
 _RING_1M = "ring-aot-v5p-2x2x2-1m-causal-2026-12-03.json"
 _GENERATIONS = ("v4", "v5e", "v5p", "v6e")
@@ -86,6 +88,15 @@ REGISTRY: dict[str, Number] = {
     "quickstart.load_before": Number(_QUICK, "load_average_before.[0]", ".1f"),
     **{f"quickstart.{stage}.{what}": Number(_QUICK, f"stages.{stage}.{what}", ".0f")
        for stage in ("install", "train", "eval") for what in ("wall_s", "cpu_s")},
+    # docs/models_and_data.md: the quickstart's export loaded by transformers (benchmarks/hf_export_check.py).
+    "quickstart_mean.accuracy": Number("quickstart-cpu-2026-12-02.json", "accuracy", ".1f", 100),
+    "hf_export.max_diff": Number(_HF_EXPORT, "max_abs_logit_diff", ".1e"),
+    "hf_export.documents": Number(_HF_EXPORT, "documents", "d"),
+    "hf_export.agree": Number(_HF_EXPORT, "predictions_agree", "d"),
+    "hf_export.accuracy": Number(_HF_EXPORT, "accuracy_transformers", ".1f", 100),
+    "hf_export.transformers": Number(_HF_EXPORT, "versions.transformers", "s"),
+    "hf_export.torch": Number(_HF_EXPORT, "versions.torch", "s"),
+    "hf_export.date": Number(_HF_EXPORT, "date", "s"),
     # xla_chunked's compiled memory on the CPU, forward+backward, float32.
     "chunked.mem_32k": Number(_CPU, _CPU_CELL.format(impl="xla_chunked", n=32768), ".1f", MIB),
     "chunked.ref_mem_32k_gib": Number(_CPU, _CPU_CELL.format(impl="reference", n=32768), ".0f", GIB),
@@ -180,6 +191,11 @@ REGISTRY: dict[str, Number] = {
        for kind, suffix in (("", ""), ("gqa.", "-gqa4")) for n in (2048, 8192)
        for what, path, fmt in (("ratio_cpu", "ratio_cpu", ".2f"), ("ours_ms", "flash_layers.cpu_ms", ".1f"),
                                ("flax_ms", "flax.cpu_ms", ".1f"))},
+    # One decoding step compiled for TPUs (benchmarks/decode_aot.py): temporaries by cache layout.
+    "decode.aot.cache_mib": Number(_DECODE_AOT, "problem.one_cache_tensor_mib", ".1f"),
+    **{f"decode.aot.{gen}.{layout}_temp_mib":
+       Number(_DECODE_AOT, f"tpu.[generation={gen},layout={layout}].temp_mib", ".1f")
+       for gen in ("v4", "v5e", "v5p", "v6e") for layout in ("flax", "heads_first")},
     "evalcost.e2e.prev.warm": Number("eval-cost-e2e-cpu-2026-12-03.json", "summary.ratio_cpu_warm", ".2f"),
     **{f"evalcost.e2e.{kind}.round{i}": Number(_EVAL_E2E, f"summary.ratio_cpu_{kind}_rounds.[{i}]", ".2f")
        for kind in ("cold", "warm") for i in range(5)},

@@ -68,7 +68,8 @@ def _cpu_model() -> str:
   return platform.processor() or "unknown"
 
 
-def run(out: pathlib.Path | None, plot: pathlib.Path | None = None) -> dict:
+def run(out: pathlib.Path | None, plot: pathlib.Path | None = None,
+        keep: pathlib.Path | None = None) -> dict:
   command = readme_command()
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="quickstart-"))
   env = {**os.environ, "FLASH_LAYERS_CACHE": str(workdir / "cache")}  # a first run: nothing compiled yet
@@ -87,6 +88,9 @@ def run(out: pathlib.Path | None, plot: pathlib.Path | None = None) -> dict:
     if plot is not None:
       from flash_layers.training import plot as plot_lib
       plot_lib.plot(str(workdir), str(plot), title=f"quickstart, {result['date']}")
+    if keep is not None:  # the trained run, e.g. to export it (flash_layers.export)
+      shutil.rmtree(workdir / "cache", ignore_errors=True)
+      shutil.copytree(workdir, keep)
   finally:
     shutil.rmtree(workdir, ignore_errors=True)
   confusion = metrics["confusion_matrix"]
@@ -107,8 +111,12 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--out", type=pathlib.Path, default=None, help="write the result as JSON here")
   parser.add_argument("--plot", type=pathlib.Path, default=None,
                       help="also draw the run's training curve here (a PNG path)")
+  parser.add_argument("--keep", type=pathlib.Path, default=None,
+                      help="copy the run's workdir (checkpoints, metrics) here instead of only deleting it")
   args = parser.parse_args(argv)
-  run(args.out, args.plot)
+  if args.keep is not None and args.keep.exists():
+    parser.error(f"--keep {args.keep}: already exists")
+  run(args.out, args.plot, args.keep)
 
 
 if __name__ == "__main__":

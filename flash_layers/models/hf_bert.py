@@ -58,17 +58,27 @@ def model_fields(fields: ConfigFields, model_type: str) -> dict[str, Any]:
       position_offset=offset)
 
 
+# RobertaForSequenceClassification's head is our pooler (dense + tanh on the first token) and
+# classifier under other names; it has no "roberta.pooler", and its head is the one it classifies with.
+_ROBERTA_HEAD = {"classifier.dense.": "pooler.dense.", "classifier.out_proj.": "classifier."}
+
+
 def normalize_names(tensors: dict) -> dict:
-  """Drop a "bert."/"roberta." prefix (BertFor*/RobertaFor* checkpoints) and map the old
-  LayerNorm gamma/beta names."""
-  out = {}
+  """Drop a "bert."/"roberta." prefix (BertFor*/RobertaFor* checkpoints), map the old
+  LayerNorm gamma/beta names and RoBERTa's classification head onto BERT's pooler + classifier."""
+  out, head = {}, {}
   for name, value in tensors.items():
     for prefix in _PREFIXES:
       if name.startswith(prefix):
         name = name[len(prefix):]
     name = name.replace("LayerNorm.gamma", "LayerNorm.weight").replace("LayerNorm.beta", "LayerNorm.bias")
-    out[name] = value
-  return out
+    for theirs, ours in _ROBERTA_HEAD.items():
+      if name.startswith(theirs):
+        head[ours + name[len(theirs):]] = value
+        break
+    else:
+      out[name] = value
+  return {**out, **head}
 
 
 def tensor_names(num_layers: int, model_type: str) -> dict[tuple[str, ...], str]:
@@ -81,6 +91,8 @@ def tensor_names(num_layers: int, model_type: str) -> dict[tuple[str, ...], str]
       ("embeddings_norm", "bias"): "embeddings.LayerNorm.bias",
       ("pooler", "kernel"): "pooler.dense.weight",
       ("pooler", "bias"): "pooler.dense.bias",
+      ("classifier", "kernel"): "classifier.weight",
+      ("classifier", "bias"): "classifier.bias",
   }
   for i in range(num_layers):
     ours, theirs = f"layers_{i}", f"encoder.layer.{i}"
@@ -112,4 +124,4 @@ def tensor_names(num_layers: int, model_type: str) -> dict[tuple[str, ...], str]
 
 def optional(path: tuple[str, ...]) -> bool:
   """Heads a checkpoint may lack (they then start from the model's init)."""
-  return path[0] == "pooler" or path[0].startswith("mlm")
+  return path[0] in ("pooler", "classifier") or path[0].startswith("mlm")

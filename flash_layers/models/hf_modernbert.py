@@ -120,6 +120,8 @@ def tensor_names(num_layers: int, hidden: int, mlp_dim: int) -> dict[tuple, tupl
   names: dict[tuple, tuple[str, tuple | None]] = {
       ("tok_embeddings", "embedding"): ("embeddings.tok_embeddings.weight", None),
       ("mlm_bias",): ("decoder.bias", None),
+      ("classifier", "kernel"): ("classifier.weight", None),
+      ("classifier", "bias"): ("classifier.bias", None),
   }
   for ours, theirs in (("embeddings_norm", "embeddings.norm"), ("final_norm", "final_norm"),
                        ("head_norm", "head.norm")):
@@ -146,6 +148,6 @@ def tensor_names(num_layers: int, hidden: int, mlp_dim: int) -> dict[tuple, tupl
 
 
 def optional(path: tuple[str, ...]) -> bool:
-  """Heads a checkpoint may lack: the prediction head (a bare ModernBertModel has none) and the
-  decoder bias."""
-  return path[0] in ("head_dense", "head_norm", "mlm_bias")
+  """Heads a checkpoint may lack: the prediction head (a bare ModernBertModel has none), the
+  classifier and the decoder bias."""
+  return path[0] in ("head_dense", "head_norm", "classifier", "mlm_bias")

@@ -8,7 +8,10 @@ host NumPy arrays, so a multi-device program places them straight into their sha
 single device ever holds the whole model. PyTorch's Linear stores [out, in]; our kernels are
 [in, out], with the attention projections split into heads ([embed, heads, head_dim] and
 [heads, head_dim, embed]). Heads the checkpoint lacks (the classifier, often the pooler or the
-masked-LM head) start from the model's init.
+masked-LM head) start from the model's init. A *ForSequenceClassification checkpoint's classifier
+is read when it has num_labels outputs (so an export, `flash_layers.export`, loads back as it
+was trained); one with another number of labels is replaced by a new head, as fine-tuning it on
+another task needs.
 
 Learned positions beyond the checkpoint's table (BERT / RoBERTa with max_len > its positions)
 are new rows:
@@ -214,6 +217,9 @@ def from_pretrained(path: str | pathlib.Path, *, impl: str = "auto", max_len: in
   model = cls(**{**model_fields, **overrides})
 
   tensors = family.normalize_names(load_file(str(file)))
+  if num_labels is None or np.shape(tensors.get("classifier.weight"))[:1] != (num_labels,):
+    tensors.pop("classifier.weight", None)  # another task's classifier (or none wanted): a new head
+    tensors.pop("classifier.bias", None)
   # Shapes only (tracing, no compute, nothing on a device): the values come from the checkpoint.
   shapes = jax.eval_shape(lambda: init_params(model, jax.random.key(seed)))
   if family is hf_modernbert:

@@ -183,6 +183,16 @@ class Checkpointer:
                        f"{' ...' if len(missing) > 5 else ''}: it is not a checkpoint of this model")
     return step, params, json.dumps(items["config"])
 
+  def restore_config(self, *, which: str | int = "latest") -> tuple[int, str] | None:
+    """(step, config_json) of a checkpoint: the config it was trained with, and no arrays read
+    (flash_layers.export rebuilds the model from it). None when there is nothing to restore."""
+    restored = self._restore(ocp.args.Composite(config=ocp.args.JsonRestore()), which, fallback=True,
+                             move_aside=False)
+    if restored is None:
+      return None
+    step, items = restored
+    return step, json.dumps(items["config"])
+
   def _restore(self, args: ocp.args.Composite, which: str | int, fallback: bool, move_aside: bool = True):
     if which == "best":
       manager, candidates = self.best, [s for s in [self.best.best_step()] if s is not None]

@@ -41,6 +41,7 @@ class Task:
   eval_batches: Callable[..., tuple[Iterator[dict], int]]
   predict_batches: Callable[[list[str]], list[dict]]  # texts -> this process's batches (labels -1)
   seq_len: int
+  model: Any = None  # the flax module logits_fn applies (flash_layers.export writes it out)
 
   @property
   def num_labels(self) -> int:
@@ -232,5 +233,5 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   return Task(logits_fn=make_logits_fn(model), init_params=init_params, pretrained_params=pretrained,
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
               predict_batches=predict_batches,
-              seq_len=seq_len)
+              seq_len=seq_len, model=model)
 
