@@ -185,6 +185,11 @@ def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
             "intermediate_size": model.mlp_dim, "initializer_range": model.initializer_range,
             "is_decoder": False, "tie_word_embeddings": True}
   if model_type == "modernbert":
+    # transformers' default special ids (50281-50283) lie outside a smaller vocabulary. Without a
+    # tokenizer to say: pad 0 (the embedding row that gets no gradient; no output changes), others none.
+    ids.setdefault("pad_token_id", 0)
+    for role in ("bos", "eos", "cls", "sep"):
+      ids.setdefault(f"{role}_token_id", None)
     kinds = model.resolved_layer_types()
     thetas = {"full_attention": model.global_rope_theta, "sliding_attention": model.local_rope_theta}
     return {**common, **ids,

@@ -164,7 +164,8 @@ def test_modernbert_round_trip_reproduces_transformers_logits(tmp_path, pooling)
 def test_modernbert_with_biases_round_trip(tmp_path):
   model = _modernbert(norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True,
                       pooling="mean", classifier_activation="silu")
-  _, tensors = _round_trip(model, _random_params(model), tmp_path / "m", tokenizer="listops")
+  config, tensors = _round_trip(model, _random_params(model), tmp_path / "m", tokenizer="listops")
+  assert (config["pad_token_id"], config["cls_token_id"], config["sep_token_id"]) == (0, 2, 3)
   assert tensors["model.layers.0.attn.Wqkv.weight"].shape == (48, 16)
   assert tensors["model.layers.0.mlp.Wi.weight"].shape == (48, 16)
   assert "head.dense.bias" in tensors and "model.layers.0.attn_norm.weight" not in tensors
@@ -179,6 +180,10 @@ def test_mean_pooled_bert_and_roberta_are_refused(tmp_path, offset):
 
 
 def test_refusals_name_what_is_wrong(tmp_path):
+  bare = _modernbert()  # no tokenizer: transformers' default special ids (50281-50283) would not fit
+  export.export_model(bare, _random_params(bare), tmp_path / "bare", label_names=LABELS, tokenizer=None)
+  config = json.loads((tmp_path / "bare" / "config.json").read_text())
+  assert config["pad_token_id"] == 0 and config["cls_token_id"] is None
   model = _bert(num_labels=None)
   with pytest.raises(ValueError, match="no classification head"):
     export.export_model(model, {}, tmp_path / "a", label_names=[], tokenizer="listops")
