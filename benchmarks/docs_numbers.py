@@ -196,6 +196,9 @@ REGISTRY: dict[str, Number] = {
     **{f"decode.aot.{gen}.{layout}_temp_mib":
        Number(_DECODE_AOT, f"tpu.[generation={gen},layout={layout}].temp_mib", ".1f")
        for gen in ("v4", "v5e", "v5p", "v6e") for layout in ("flax", "heads_first")},
+    **{f"decode.layer.{gen}.{layout}_temp_mib":
+       Number(_DECODE_AOT, f"layer.[generation={gen},layout={layout}].temp_mib", ".1f")
+       for gen in ("v5e",) for layout in ("flax", "heads_first")},
     "evalcost.e2e.prev.warm": Number("eval-cost-e2e-cpu-2026-12-03.json", "summary.ratio_cpu_warm", ".2f"),
     **{f"evalcost.e2e.{kind}.round{i}": Number(_EVAL_E2E, f"summary.ratio_cpu_{kind}_rounds.[{i}]", ".2f")
        for kind in ("cold", "warm") for i in range(5)},

@@ -22,6 +22,14 @@ Two layouts:
   `kv_offset = cache_index - left`, then writes its last min(n, left) keys into the ring. The window
   hides everything older, so the result equals the full cache's while memory stays O(window).
 
+Two cache layouts (the layer's `cache_layout`):
+
+* "flax" (the default): `cached_key` / `cached_value` [batch, slots, kv_heads, head_dim], flax's.
+* "heads_first": [batch, kv_heads, slots, head_dim]. On a TPU, whose HBM tiles an array's last two
+  dimensions by (8, 128), this is the layout flash_pallas's decode kernel reads: the transpose the
+  contract's [batch, len, kv_heads, dim] needs cancels against the kernel's own, where flax's layout
+  costs a copy of the cache every step (docs/kernels.md, "Cache layout on a TPU").
+
 Positions past the cache's end are not checked under jit (as flax's `dynamic_update_slice`, the write
 is clamped): size the cache for the longest generation.
 """
@@ -37,6 +45,17 @@ import numpy as np
 from flash_layers import masks
 
 UNWRITTEN = -1  # cached_segment_ids of a slot nothing was written to
+CACHE_LAYOUTS = ("flax", "heads_first")
+
+
+def check_cache_layout(cache_layout) -> None:
+  if cache_layout not in CACHE_LAYOUTS:
+    raise ValueError(f"cache_layout must be one of {CACHE_LAYOUTS}; got {cache_layout!r}")
+
+
+def _to_cache(x, heads_first: bool):
+  """[b, n, kv_heads, d] <-> the cache's layout (the same swap both ways)."""
+  return jnp.swapaxes(x, 1, 2) if heads_first else x
 CACHE_NAMES = ("cached_key", "cached_value", "cached_segment_ids", "cache_index")
 
 
@@ -69,10 +88,13 @@ def is_ring(layer, slots: int) -> bool:
 
 
 def init_values(batch: int, layout_: Layout, num_kv_heads: int, head_dim: int, head_dim_v: int,
-                dtype) -> dict[str, jax.Array]:
+                dtype, cache_layout: str = "flax") -> dict[str, jax.Array]:
   """The cache variables before the first token: zeros, every slot unwritten, index 0."""
-  return {"cached_key": jnp.zeros((batch, layout_.slots, num_kv_heads, head_dim), dtype),
-          "cached_value": jnp.zeros((batch, layout_.slots, num_kv_heads, head_dim_v), dtype),
+  check_cache_layout(cache_layout)
+  shape = ((batch, num_kv_heads, layout_.slots) if cache_layout == "heads_first"
+           else (batch, layout_.slots, num_kv_heads))
+  return {"cached_key": jnp.zeros((*shape, head_dim), dtype),
+          "cached_value": jnp.zeros((*shape, head_dim_v), dtype),
           "cached_segment_ids": jnp.full((batch, layout_.slots), UNWRITTEN, jnp.int32),
           "cache_index": jnp.array(0, jnp.int32)}
 
@@ -99,35 +121,45 @@ def rotary_positions(cache_index: jax.Array, batch: int, length: int, positions,
   return positions, positions if kv_positions is None else kv_positions
 
 
-def step(cache: dict[str, jax.Array], query, key, value, segment_ids, *, ring: bool, attend):
+def step(cache: dict[str, jax.Array], query, key, value, segment_ids, *, ring: bool, attend,
+         cache_layout: str = "flax"):
   """One decoding call: (attention output, the updated cache).
 
   query [b, n, heads, d], key/value [b, n, kv_heads, d] (the new tokens' projections, rotated);
   `attend(query, key, value, segment_ids, kv_segment_ids, q_offset, kv_offset)` runs the layer's
-  attention (`layers.attend_heads` with the offsets)."""
+  attention (`layers.attend_heads` with the offsets); `cache_layout` is the layer's."""
   index = cache["cache_index"]
   ck, cv, cs = cache["cached_key"], cache["cached_value"], cache["cached_segment_ids"]
+  slots = cs.shape[1]
+  heads_first = cache_layout == "heads_first"
+  axis = 2 if heads_first else 1  # the slots axis of cached_key / cached_value
   n = query.shape[1]
-  key, value = key.astype(ck.dtype), value.astype(cv.dtype)
+  key, value = _to_cache(key.astype(ck.dtype), heads_first), _to_cache(value.astype(cv.dtype), heads_first)
   if not ring:
     zero = jnp.zeros((), index.dtype)  # one index type (int32), also under jax_enable_x64
-    ck = jax.lax.dynamic_update_slice(ck, key, (zero, index, zero, zero))
-    cv = jax.lax.dynamic_update_slice(cv, value, (zero, index, zero, zero))
+    start = (zero, zero, index, zero) if heads_first else (zero, index, zero, zero)
+    ck = jax.lax.dynamic_update_slice(ck, key, start)
+    cv = jax.lax.dynamic_update_slice(cv, value, start)
     cs = jax.lax.dynamic_update_slice(cs, segment_ids.astype(cs.dtype), (zero, index))
-    out = attend(query, ck, cv, segment_ids, cs, index, 0)
+    out = attend(query, _to_cache(ck, heads_first), _to_cache(cv, heads_first), segment_ids, cs, index, 0)
   else:
-    slots = ck.shape[1]
     shift = -(index % slots)  # slot 0 of the rotated ring holds position index - slots
-    ordered = [jnp.roll(x, shift, axis=1) for x in (ck, cv, cs)]
-    out = attend(query, jnp.concatenate([ordered[0], key], 1), jnp.concatenate([ordered[1], value], 1),
-                 segment_ids, jnp.concatenate([ordered[2], segment_ids], 1), index, index - slots)
+    k_ring, v_ring = (jnp.concatenate([jnp.roll(x, shift, axis=axis), new], axis)
+                      for x, new in ((ck, key), (cv, value)))
+    out = attend(query, _to_cache(k_ring, heads_first), _to_cache(v_ring, heads_first), segment_ids,
+                 jnp.concatenate([jnp.roll(cs, shift, axis=1), segment_ids], 1), index, index - slots)
     kept = min(n, slots)  # the newest `kept` tokens stay in the ring
     where = (index + n - kept + jnp.arange(kept, dtype=jnp.int32)) % slots
-    ck = ck.at[:, where].set(key[:, n - kept:])
-    cv = cv.at[:, where].set(value[:, n - kept:])
+    if heads_first:
+      ck = ck.at[:, :, where].set(key[:, :, n - kept:])
+      cv = cv.at[:, :, where].set(value[:, :, n - kept:])
+    else:
+      ck = ck.at[:, where].set(key[:, n - kept:])
+      cv = cv.at[:, where].set(value[:, n - kept:])
     cs = cs.at[:, where].set(segment_ids[:, n - kept:])
   return out, {"cached_key": ck, "cached_value": cv, "cached_segment_ids": cs, "cache_index": index + n}
 
 
-__all__ = ["CACHE_NAMES", "UNWRITTEN", "Layout", "check_segment_ids", "init_values", "is_ring", "layout",
+__all__ = ["CACHE_LAYOUTS", "CACHE_NAMES", "UNWRITTEN", "Layout", "check_cache_layout", "check_segment_ids",
+           "init_values", "is_ring", "layout",
            "rotary_positions", "step"]

@@ -19,6 +19,7 @@ import numpy as np
 
 from flash_layers import dropout, lowering, masks, mods
 from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, cpu_loop, registry, tiling
+from flash_layers.impls.flash_pallas import decode as flash_decode
 from flash_layers.tuning import cache as tuning_cache
 
 log = logging.getLogger("flash_layers")
@@ -369,13 +370,23 @@ def _check_block_mask(bm, mask_mod, block_sizes, batch: int, q_len: int, kv_len:
 
 def _auto_candidates(request: Request, platform: str) -> list[tuple[str, str]]:
   """The per-backend rule table (docs/contract.md, "How auto chooses"): candidates in order, with why."""
+  decoding = flash_decode.unserved(request) is None  # up to FEW_QUERIES queries, no dropout/ALiBi/...
   if platform == "tpu":
+    if decoding:
+      return [("flash_pallas", f"TPU: q_len {request.q_len} <= {cpu_loop.FEW_QUERIES} (decoding): our "
+               "split-KV Mosaic decode kernel"),
+              ("xla_chunked", "TPU: flash_pallas cannot serve it; chunked keeps memory linear"),
+              ("xla_native", "TPU: fused XLA attention"),
+              ("reference", "TPU: nothing else serves this request")]
     return [("flash_pallas", "TPU: our Mosaic flash kernel"),
             ("xla_chunked", "TPU: flash_pallas cannot serve it; chunked keeps memory linear"),
             ("xla_native", "TPU: fused XLA attention"),
             ("reference", "TPU: nothing else serves this request")]
   if platform in ("cuda", "rocm"):
     cands = []
+    if decoding:  # before cuDNN, whose kernels tile the queries: one program per (batch, head)
+      cands.append(("flash_pallas", f"GPU: q_len {request.q_len} <= {cpu_loop.FEW_QUERIES} (decoding): our "
+                    "split-KV Triton decode kernel"))
     if REGISTRY["xla_native"].kernel(request, platform) == "cudnn":
       cands.append(("xla_native", "GPU: cuDNN flash attention is eligible"))
     return cands + [("flash_pallas", "GPU: our Triton flash kernel"),

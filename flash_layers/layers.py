@@ -84,6 +84,7 @@ def check_fields(layer) -> None:
   rotary.check_theta(getattr(layer, "rope_theta", None))
   if not isinstance(getattr(layer, "decode", False), bool):
     raise TypeError(f"decode must be a bool; got {layer.decode!r}")
+  decoding.check_cache_layout(getattr(layer, "cache_layout", "flax"))
   if getattr(layer, "decode", False) and getattr(layer, "global_tokens", 0):
     raise ValueError("decode=True with global_tokens is not supported: a document's global tokens are "
                      "found from the segment ids of the whole sequence, which a decoding call does not see")
@@ -305,13 +306,14 @@ def decode_step(layer, cache: dict, query, key, value, segment_ids, kv_segment_i
     raise ValueError("a decoding call takes no dense mask (the cache's positions and segment ids mask it)")
   batch, length = query.shape[:2]
   segment_ids = decoding.check_segment_ids(segment_ids, batch, length)
-  ring = decoding.is_ring(layer, cache["cached_key"].shape[1])
+  ring = decoding.is_ring(layer, cache["cached_segment_ids"].shape[1])
 
   def attend(q, k, v, seg, kv_seg, q_offset, kv_offset):
     return attend_heads(layer, q, k, v, seg, kv_seg, dropout_rng, sinks, mod_operands, None, q_offset,
                         kv_offset)
 
-  return decoding.step(cache, query, key, value, segment_ids, ring=ring, attend=attend)
+  return decoding.step(cache, query, key, value, segment_ids, ring=ring, attend=attend,
+                       cache_layout=layer.cache_layout)
 
 
 # ----------------------------------------------------------------------------
@@ -407,6 +409,9 @@ class MultiHeadAttention(nn.Module):
       length, each later call (`apply(..., mutable=["cache"])`) appends its 1...n tokens and attends
       to everything cached; a causal layer with a sliding window keeps a ring buffer of the window
       instead (flash_layers/decoding.py). Self-attention only.
+    cache_layout: "flax" (`cached_key`/`cached_value` [batch, slots, kv_heads, head_dim], flax's) or
+      "heads_first" ([batch, kv_heads, slots, head_dim]: what flash_pallas's decode kernel reads on a
+      TPU without copying the cache each step; docs/kernels.md).
     qkv_features, broadcast_dropout, deterministic, normalize_qk, out_kernel_init, out_bias_init: flax's
       `MultiHeadDotProductAttention` fields: the q/k/v projections' total width (num_heads * head_dim);
       one dropout mask for every batch row and head (default False here, True in flax); the default of
@@ -443,6 +448,7 @@ class MultiHeadAttention(nn.Module):
   mask_mod: Callable | None = None
   score_mod: Callable | None = None
   decode: bool = False
+  cache_layout: str = "flax"
   # flax's MultiHeadDotProductAttention fields, with flax's meaning:
   qkv_features: int | None = None
   broadcast_dropout: bool = False
@@ -500,7 +506,8 @@ class MultiHeadAttention(nn.Module):
       batch, length = inputs_q.shape[:2]
       layout = decoding.layout(self, length)
       for name, value in decoding.init_values(batch, layout, dims.num_kv_heads, dims.head_dim,
-                                              dims.head_dim_v, self.dtype or inputs_q.dtype).items():
+                                              dims.head_dim_v, self.dtype or inputs_q.dtype,
+                                              self.cache_layout).items():
         self.variable("cache", name, lambda value=value: value)
     if decoding_now and self.rope_theta is not None:
       positions, kv_positions = decoding.rotary_positions(self.get_variable("cache", "cache_index"),

@@ -54,6 +54,7 @@ class MultiHeadAttention(nnx.Module):
     decode: the default of the call's `decode`: calls append to the KV cache that `init_cache` made
       (`nnx.Cache` variables `cached_key`, `cached_value`, `cache_index`, as flax's
       `nnx.MultiHeadAttention`, and `cached_segment_ids`; flash_layers/decoding.py).
+    cache_layout: "flax" or "heads_first", the cache's layout (`fl.MultiHeadAttention`'s field).
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -71,7 +72,8 @@ class MultiHeadAttention(nnx.Module):
                mask_mod: Callable | None = None, score_mod: Callable | None = None, decode: bool = False,
                broadcast_dropout: bool = False, normalize_qk: bool = False,
                out_kernel_init: Callable | None = None, out_bias_init: Callable | None = None,
-               force_fp32_for_softmax: bool = False, keep_rngs: bool = True, rngs: nnx.Rngs):
+               force_fp32_for_softmax: bool = False, keep_rngs: bool = True, cache_layout: str = "flax",
+               rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -93,6 +95,7 @@ class MultiHeadAttention(nnx.Module):
     self.use_sinks = use_sinks
     self.mask_mod, self.score_mod = mask_mod, score_mod
     self.decode = decode
+    self.cache_layout = cache_layout
     self.qkv_features = qkv_features
     self.broadcast_dropout, self.normalize_qk = broadcast_dropout, normalize_qk
     self.force_fp32_for_softmax = force_fp32_for_softmax
@@ -143,7 +146,7 @@ class MultiHeadAttention(nnx.Module):
       raise ValueError("decoding with global_tokens is not supported (layers.check_fields says why)")
     dims = layers.resolve_dims(self, self.in_features)
     values = decoding.init_values(input_shape[0], decoding.layout(self, input_shape[1]), dims.num_kv_heads,
-                                  dims.head_dim, dims.head_dim_v, dtype)
+                                  dims.head_dim, dims.head_dim_v, dtype, self.cache_layout)
     for name, value in values.items():
       setattr(self, name, nnx.Cache(value))
 

@@ -63,6 +63,29 @@ def test_linen_decoding_equals_the_uncached_layer(impl, window):
   assert int(cache["cache_index"]) == 12
 
 
+@pytest.mark.parametrize("window", [None, 3], ids=["full", "ring"])
+@pytest.mark.parametrize("impl", ["xla_dense", "flash_pallas-tpu", "flash_pallas-gpu"])
+def test_a_heads_first_cache_decodes_like_the_uncached_layer(impl, window):
+  """cache_layout="heads_first" keeps [batch, kv_heads, slots, head_dim] (what the TPU decode kernel reads
+  without a copy); flash_pallas's split-KV decode kernels of both families run the steps here."""
+  impl, _, family = impl.partition("-")
+  layer = fl.MultiHeadAttention(num_heads=4, num_kv_heads=2, causal=True, window=window, rope_theta=1e4,
+                                impl=impl, decode=True, cache_layout="heads_first")
+  x = jax.random.normal(jax.random.key(0), (2, 12, 16))
+  variables = layer.init(jax.random.key(1), x)
+  slots = 12 if window is None else 3
+  assert variables["cache"]["cached_key"].shape == (2, 2, slots, 4)
+  assert variables["cache"]["cached_segment_ids"].shape == (2, slots)
+  want = layer.clone(decode=False).apply({"params": variables["params"]}, x)
+  with lowering.interpret_as(family) if family else contextlib.nullcontext():
+    got, cache = _linen_decode(layer, variables["params"], variables["cache"], x)
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
+  # The same tokens in flax's layout: the same cache contents, transposed.
+  _, flax_cache = _linen_decode(layer.clone(impl="xla_dense", cache_layout="flax"), variables["params"],
+                                layer.clone(cache_layout="flax").init(jax.random.key(1), x)["cache"], x)
+  np.testing.assert_allclose(cache["cached_key"], flax_cache["cached_key"].swapaxes(1, 2), atol=1e-6)
+
+
 def test_non_causal_decoding_never_sees_an_unwritten_slot():
   layer = fl.MultiHeadAttention(num_heads=2, impl="xla_dense", decode=True)
   x = jax.random.normal(jax.random.key(0), (1, 6, 8))
@@ -91,9 +114,17 @@ def test_nnx_decoding_equals_the_uncached_layer(window):
   got = jnp.concatenate([feed(layer, x[:, lo:hi]) for lo, hi in CALLS], 1)
   np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
   assert int(layer.cache_index[...]) == 12
+  heads_first = flnnx.MultiHeadAttention(4, 16, num_kv_heads=2, causal=True, window=window, rope_theta=1e4,
+                                         impl="xla_dense", cache_layout="heads_first", rngs=nnx.Rngs(0))
+  heads_first.init_cache(x.shape)
+  assert heads_first.cached_key[...].shape == (2, 2, 12 if window is None else 3, 4)
+  got = jnp.concatenate([feed(heads_first, x[:, lo:hi]) for lo, hi in CALLS], 1)
+  np.testing.assert_allclose(got, want, atol=2e-6, rtol=0)
 
 
 def test_decoding_refuses_what_it_cannot_serve():
+  with pytest.raises(ValueError, match="cache_layout must be one of"):
+    fl.MultiHeadAttention(num_heads=2, decode=True, cache_layout="bshd")
   with pytest.raises(ValueError, match="global_tokens"):
     fl.MultiHeadAttention(num_heads=2, window=4, global_tokens=1, decode=True)
   layer = fl.MultiHeadAttention(num_heads=2, causal=True, decode=True)

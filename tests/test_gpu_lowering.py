@@ -118,7 +118,7 @@ def test_dropout_and_alibi_lower_to_our_triton_kernels():
 @pytest.mark.parametrize("window", [None, 64], ids=["full_cache", "ring_buffer"])
 def test_a_decoding_step_lowers_to_our_triton_kernel(window):
   """One token through `fl.MultiHeadAttention(decode=True)` (GQA, rotary, bfloat16, a 1,024-token cache or
-  a 64-key window's ring buffer): the traced cache index reaches our forward kernel as an offset."""
+  a 64-key window's ring buffer): the traced cache index reaches our split-KV decode kernel as an offset."""
   layer = fl.MultiHeadAttention(num_heads=8, num_kv_heads=2, causal=True, rope_theta=1e4, impl="flash_pallas",
                                 window=None if window is None else (window, 0), decode=True,
                                 dtype=jnp.bfloat16)
@@ -131,4 +131,26 @@ def test_a_decoding_step_lowers_to_our_triton_kernel(window):
   token = jax.ShapeDtypeStruct((2, 1, 512), jnp.bfloat16)
   text = _lower_for_cuda(step, shapes["params"], shapes["cache"], token)
   assert len(TRITON_CALL.findall(text)) == 1
-  assert KERNEL_NAME.findall(text) == FORWARD
+  assert KERNEL_NAME.findall(text) == ["flash_pallas_gpu_decode"]
+
+
+@pytest.mark.parametrize(("q_len", "heads", "kv_heads", "head_dim", "dtype"), [
+    (1, 32, 8, 128, jnp.bfloat16), (16, 8, 1, 64, jnp.float16), (3, 4, 4, 256, jnp.float32)])
+def test_decoding_queries_lower_to_the_split_kv_kernel_and_back(q_len, heads, kv_heads, head_dim, dtype):
+  """A few queries against a ragged 8,000-slot cache (traced offset, softcap): the forward is the split-KV
+  decode kernel, the gradient adds the family's two backward kernels."""
+  b, slots = 2, 8000
+  specs = [jax.ShapeDtypeStruct((b, q_len, heads, head_dim), dtype),
+           jax.ShapeDtypeStruct((b, slots, kv_heads, head_dim), dtype),
+           jax.ShapeDtypeStruct((b, slots, kv_heads, head_dim), dtype),
+           jax.ShapeDtypeStruct((b, q_len), jnp.int32), jax.ShapeDtypeStruct((b, slots), jnp.int32),
+           jax.ShapeDtypeStruct((), jnp.int32)]
+
+  def attend(q, k, v, q_seg, kv_seg, offset):
+    return fl.attention(q, k, v, impl="flash_pallas", causal=True, segment_ids=q_seg, kv_segment_ids=kv_seg,
+                        q_offset=offset, softcap=20.0)
+
+  assert KERNEL_NAME.findall(_lower_for_cuda(attend, *specs)) == ["flash_pallas_gpu_decode"]
+  grad = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  assert sorted(KERNEL_NAME.findall(_lower_for_cuda(grad, *specs))) == sorted(
+      ["flash_pallas_gpu_decode", "flash_pallas_gpu_backward_dkv", "flash_pallas_gpu_backward_dq"])

@@ -266,14 +266,16 @@ def test_262k_tokens_on_one_v5p_chip_keep_temporaries_linear():
   assert memory.temp_size_in_bytes <= 12.25 * q_bytes, memory.temp_size_in_bytes / 2**20
 
 
+@pytest.mark.parametrize("cache_layout", ["flax", "heads_first"])
 @pytest.mark.parametrize("window", [None, 128], ids=["full_cache", "ring_buffer"])
-def test_a_decoding_step_compiles_to_our_mosaic_kernel(window):
+def test_a_decoding_step_compiles_to_our_mosaic_kernel(window, cache_layout):
   """One token through `fl.MultiHeadAttention(decode=True)` (GQA, rotary, bfloat16, a 2,048-token cache or
-  the ring buffer of a 128-key window): the traced cache index reaches our forward kernel as an offset."""
+  the ring buffer of a 128-key window): the traced cache index reaches our split-KV decode kernel as an
+  offset."""
   placed = jax.sharding.SingleDeviceSharding(_device("v5e"))
   layer = fl.MultiHeadAttention(num_heads=8, num_kv_heads=2, causal=True, rope_theta=1e4, impl="flash_pallas",
                                 window=None if window is None else (window, 0), decode=True,
-                                dtype=jnp.bfloat16)
+                                dtype=jnp.bfloat16, cache_layout=cache_layout)
   shapes = jax.eval_shape(layer.init, jax.random.key(0), jax.ShapeDtypeStruct((4, 2048, 512), jnp.bfloat16))
   on_chip = lambda tree: jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=placed), tree)
   token = jax.ShapeDtypeStruct((4, 1, 512), jnp.bfloat16, sharding=placed)
@@ -282,6 +284,57 @@ def test_a_decoding_step_compiles_to_our_mosaic_kernel(window):
     y, updated = layer.apply({"params": params, "cache": cache}, x, mutable=["cache"])
     return y, updated["cache"]
 
-  compiled = jax.jit(step).lower(on_chip(shapes["params"]), on_chip(shapes["cache"]), token).compile()
-  assert _mosaic_kernels(compiled.as_text()) == ["flash_layers_fwd"]
-  assert shapes["cache"]["cached_key"].shape == (4, 2048 if window is None else window, 2, 64)
+  compiled = jax.jit(step, donate_argnums=1).lower(on_chip(shapes["params"]), on_chip(shapes["cache"]),
+                                                   token).compile()
+  assert _mosaic_kernels(compiled.as_text()) == ["flash_layers_decode"]
+  slots = 2048 if window is None else window
+  want = (4, slots, 2, 64) if cache_layout == "flax" else (4, 2, slots, 64)
+  assert shapes["cache"]["cached_key"].shape == want
+
+
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_decoding_queries_compile_to_the_split_kv_kernel(generation, head_dim):
+  """4 queries per row against a ragged 8,192-slot cache (segment ids, traced offset, softcap, GQA 8 on
+  2): the decode kernel forward, the family's two backward kernels for the gradient, on every generation."""
+  placed = jax.sharding.SingleDeviceSharding(_device(generation))
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=placed)  # noqa: E731
+  b, t, slots = 2, 4, 8192
+  specs = (spec((b, t, 8, head_dim)), spec((b, slots, 2, head_dim)), spec((b, slots, 2, head_dim)),
+           spec((b, t), jnp.int32), spec((b, slots), jnp.int32), spec((), jnp.int32))
+
+  def attend(q, k, v, q_seg, kv_seg, offset):
+    return fl.attention(q, k, v, impl="flash_pallas", causal=True, segment_ids=q_seg, kv_segment_ids=kv_seg,
+                        q_offset=offset, softcap=30.0)
+
+  assert _mosaic_kernels(jax.jit(attend).lower(*specs).compile().as_text()) == ["flash_layers_decode"]
+  grad = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
+  assert _mosaic_kernels(jax.jit(grad).lower(*specs).compile().as_text()) == sorted(
+      ["flash_layers_decode", "flash_layers_bwd_dkv", "flash_layers_bwd_dq"])
+
+
+def test_a_head_major_cache_reaches_the_decode_kernel_without_a_copy():
+  """The decode kernel reads the cache head-major: passed as `k.swapaxes(1, 2)` of a [b, kv_heads, slots, d]
+  cache, XLA cancels the transposes (no temporaries); flax's [b, slots, kv_heads, d] layout costs a copy."""
+  placed = jax.sharding.SingleDeviceSharding(_device("v5e"))
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=placed)  # noqa: E731
+  b, slots, kvh, d = 4, 8192, 8, 128
+  cache_bytes = b * slots * kvh * d * 2
+  common = (spec((b, 1, 32, d)),)
+  rest = (spec((b, 1), jnp.int32), spec((b, slots), jnp.int32), spec((), jnp.int32))
+
+  def attend(heads_first):
+    def f(q, k, v, q_seg, kv_seg, offset):
+      if heads_first:
+        k, v = k.swapaxes(1, 2), v.swapaxes(1, 2)
+      return fl.attention(q, k, v, impl="flash_pallas", causal=True, segment_ids=q_seg,
+                          kv_segment_ids=kv_seg, q_offset=offset)
+    return f
+
+  head_major = jax.jit(attend(True)).lower(*common, spec((b, kvh, slots, d)), spec((b, kvh, slots, d)),
+                                           *rest).compile()
+  flax_layout = jax.jit(attend(False)).lower(*common, spec((b, slots, kvh, d)), spec((b, slots, kvh, d)),
+                                             *rest).compile()
+  assert _mosaic_kernels(head_major.as_text()) == ["flash_layers_decode"]
+  assert head_major.memory_analysis().temp_size_in_bytes < cache_bytes / 64
+  assert flax_layout.memory_analysis().temp_size_in_bytes >= cache_bytes
