@@ -47,6 +47,10 @@ STRICT_CONFIGS = [
     # head-major layout), q_len != kv_len.
     conformance.Config("strict_window_dropout_packed_gqa", q_len=260, kv_len=300, heads=4, kv_heads=2,
                        head_dim=64, window=(40, 9), segments="packed", dropout=0.1),
+    # The split-KV decode kernel (3 queries at the end of a 1,000-slot cache with ragged lengths, GQA
+    # 4:2): its grid's batch, kv-head and split axes are "parallel", its partial outputs per split.
+    conformance.Config("strict_decode_ragged_causal_gqa", q_len=3, kv_len=1000, batch=3, heads=4, kv_heads=2,
+                       head_dim=64, causal=True, q_offset=997, segments="ragged"),
 ]
 
 
@@ -91,7 +95,7 @@ def test_interpret_params_are_checked():
 
 def test_strict_configs_cover_the_tier():
   """Packed documents with padding, windows, GQA at head_dim 128, dropout and ALiBi, each with
-  several blocks per axis under TILES."""
+  several blocks per axis under TILES; the decode kernel with ragged cache rows, several kv blocks."""
   features = set().union(*(c.features() for c in STRICT_CONFIGS))
   assert {"dropout", "alibi"} <= features
   assert any(c.window is not None for c in STRICT_CONFIGS)
@@ -99,6 +103,10 @@ def test_strict_configs_cover_the_tier():
   assert any(c.head_dim == 128 and c.kvh < c.heads for c in STRICT_CONFIGS)
   for cfg in STRICT_CONFIGS:
     problem = conformance.make_problem(cfg, "float32")
+    if cfg.q_len <= 16:  # the split-KV decode kernel: ragged rows (one empty), several kv blocks
+      assert cfg.segments == "ragged" and (problem.seg["kv_segment_ids"] < 0).any(), cfg.name
+      assert cfg.s > 4 * TILES.block_kv, cfg.name
+      continue
     assert cfg.segments == "packed" and (problem.seg["segment_ids"] == 0).any(), cfg.name  # padding
     assert min(cfg.q_len, cfg.s) > 2 * TILES.block_q, cfg.name
   assert len(SEEDS) >= 3
