@@ -4,9 +4,12 @@
     python -m benchmarks.decode_cpu --cache-lens 2048 --steps 20          # quicker
 
 Both layers: self-attention over [batch, 1, features] inputs with a KV cache of `cache_len` entries,
-half full (the cost of a step does not depend on how full: both attend to every slot and mask the
-unwritten ones), float32. Ours: `fl.MultiHeadAttention(num_heads, causal=True, decode=True)`, impl
-"auto" (on a CPU, xla_dense for up to 16 queries: cpu_loop.FEW_QUERIES), or `--impl`.
+`--fill` of it written (default half: the average over a generation that fills the cache), float32.
+flax's step attends to every slot and masks the unwritten ones, so its cost does not depend on the fill;
+ours, on a CPU, reads only the chunks of slots written so far (xla_dense's decoding forward), so
+`--fill 1` is the case where it has nothing to skip.
+Ours: `fl.MultiHeadAttention(num_heads, causal=True, decode=True)`, impl "auto" (on a CPU, xla_dense for
+up to 16 queries: cpu_loop.FEW_QUERIES), or `--impl`.
 flax's: `nn.MultiHeadDotProductAttention(num_heads, decode=True)` with its default attention. Each
 step is one jitted `apply(..., mutable=["cache"])` with the cache donated (updated in place, as a
 generation loop runs it). `--num-kv-heads` below num_heads makes ours a GQA layer with a cache that
@@ -40,21 +43,26 @@ def _step_fn(module, params):
   return jax.jit(step, donate_argnums=0)
 
 
-def _half_full(cache, cache_len: int):
-  """The cache with random keys/values and its index at cache_len // 2 (every slot written before it)."""
+def _filled(cache, cache_len: int, index: int):
+  """The cache with random keys/values and its index at `index` (every slot written before it)."""
   out = {}
   for i, (name, x) in enumerate(sorted(cache.items())):
     if name == "cache_index":
-      out[name] = jnp.array(cache_len // 2, jnp.int32)
+      out[name] = jnp.array(index, jnp.int32)
     elif name == "cached_segment_ids":
-      out[name] = jnp.where(jnp.arange(cache_len) < cache_len // 2, 1, -1)[None].repeat(x.shape[0], 0)
+      out[name] = jnp.where(jnp.arange(cache_len) < index, 1, -1)[None].repeat(x.shape[0], 0)
     else:
       out[name] = jax.random.normal(jax.random.key(i), x.shape, x.dtype)
   return out
 
 
+def start_index(cache_len: int, fill: float, steps: int) -> int:
+  """The cache index before the first step: `fill` of the cache, leaving room for every step's token."""
+  return min(int(fill * cache_len), cache_len - steps - 1)
+
+
 def make_case(kind: str, *, batch: int, cache_len: int, features: int, num_heads: int, num_kv_heads: int,
-              impl: str):
+              impl: str, index: int):
   """(step function, its starting cache, one token's input)."""
   if kind == "flash_layers":
     module = fl.MultiHeadAttention(num_heads=num_heads, num_kv_heads=num_kv_heads, causal=True, impl=impl,
@@ -67,7 +75,7 @@ def make_case(kind: str, *, batch: int, cache_len: int, features: int, num_heads
   # over it ([batch, heads, cache_len, cache_len] logits: 13 GB at 8,192 tokens).
   full = jax.ShapeDtypeStruct((batch, cache_len, features), jnp.float32)
   cache = jax.eval_shape(module.init, jax.random.key(0), full)["cache"]
-  return _step_fn(module, params), _half_full(cache, cache_len), x
+  return _step_fn(module, params), _filled(cache, cache_len, index), x
 
 
 def _what_runs(args, cache_len: int) -> str:
@@ -79,17 +87,18 @@ def _what_runs(args, cache_len: int) -> str:
   seg = jax.ShapeDtypeStruct((args.batch, 1), jnp.int32)
   kv_seg = jax.ShapeDtypeStruct((args.batch, cache_len), jnp.int32)
   return str(fl.explain(q, kv, kv, impl=args.impl, causal=True, segment_ids=seg, kv_segment_ids=kv_seg,
-                        q_offset=cache_len // 2))
+                        q_offset=start_index(cache_len, args.fill, args.warmup + args.steps)))
 
 
 def measure(args) -> list[dict]:
   rows = []
   for cache_len in (int(n) for n in args.cache_lens.split(",")):
     cases = {}
+    index = start_index(cache_len, args.fill, args.warmup + args.steps)
     for kind in ("flash_layers", "flax"):
       step, cache, x = make_case(kind, batch=args.batch, cache_len=cache_len, features=args.features,
                                  num_heads=args.num_heads, num_kv_heads=args.num_kv_heads or args.num_heads,
-                                 impl=args.impl)
+                                 impl=args.impl, index=index)
       for _ in range(args.warmup):
         y, cache = step(cache, x)
       jax.block_until_ready(y)
@@ -103,7 +112,7 @@ def measure(args) -> list[dict]:
         case["wall"].append(time.perf_counter() - wall)
     medians = {kind: {"cpu_ms": round(1e3 * statistics.median(c["cpu"]), 3),
                       "wall_ms": round(1e3 * statistics.median(c["wall"]), 3)} for kind, c in cases.items()}
-    row = {"cache_len": cache_len, "ours_runs": _what_runs(args, cache_len), **medians,
+    row = {"cache_len": cache_len, "first_index": index, "ours_runs": _what_runs(args, cache_len), **medians,
            "ratio_cpu": round(medians["flash_layers"]["cpu_ms"] / medians["flax"]["cpu_ms"], 3),
            "ratio_wall": round(medians["flash_layers"]["wall_ms"] / medians["flax"]["wall_ms"], 3)}
     print(json.dumps(row), flush=True)
@@ -120,6 +129,7 @@ def main(argv=None) -> dict:
   p.add_argument("--num-heads", type=int, default=12)
   p.add_argument("--num-kv-heads", type=int, default=None, help="ours only (GQA); default num_heads")
   p.add_argument("--impl", default="auto")
+  p.add_argument("--fill", type=float, default=0.5, help="written fraction of the cache at the first step")
   p.add_argument("--steps", type=int, default=100)
   p.add_argument("--warmup", type=int, default=5)
   p.add_argument("--json", metavar="PATH")

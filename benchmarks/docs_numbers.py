@@ -186,11 +186,16 @@ REGISTRY: dict[str, Number] = {
     "evalcost.e2e.warm": Number(_EVAL_E2E, "summary.ratio_cpu_warm", ".2f"),
     "evalcost.e2e.date": Number(_EVAL_E2E, "date", "s"),
     # One decoding step on the CPU (benchmarks/decode_cpu.py): MHA like flax's, and a GQA layer.
-    **{f"decode.{kind}{n}.{what}":
-       Number(f"decode-cpu{suffix}-2026-12-04.json", f"rows.[cache_len={n}].{path}", fmt)
-       for kind, suffix in (("", ""), ("gqa.", "-gqa4")) for n in (2048, 8192)
+    # `fill` = half (the default) or full cache; "prev" = before xla_dense's chunked decoding forward.
+    **{f"decode.{kind}{fill}{n}.{what}":
+       Number(f"decode-cpu{suffix}{fsuffix}-2026-12-04.json", f"rows.[cache_len={n}].{path}", fmt)
+       for kind, suffix in (("", ""), ("gqa.", "-gqa4"))
+       for fill, fsuffix in (("", "-half"), ("full.", "-full"))
+       for n in (2048, 8192)
        for what, path, fmt in (("ratio_cpu", "ratio_cpu", ".2f"), ("ours_ms", "flash_layers.cpu_ms", ".1f"),
                                ("flax_ms", "flax.cpu_ms", ".1f"))},
+    **{f"decode.prev.{n}.ratio_cpu":
+       Number("decode-cpu-2026-12-04.json", f"rows.[cache_len={n}].ratio_cpu", ".2f") for n in (2048, 8192)},
     # One decoding step compiled for TPUs (benchmarks/decode_aot.py): temporaries by cache layout.
     "decode.aot.cache_mib": Number(_DECODE_AOT, "problem.one_cache_tensor_mib", ".1f"),
     **{f"decode.aot.{gen}.{layout}_temp_mib":

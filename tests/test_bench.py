@@ -205,6 +205,7 @@ def test_decode_cpu_times_both_layers_and_says_what_runs(tmp_path):
                             "--steps", "3", "--warmup", "1", "--json", str(out)])
   (row,) = result["rows"]
   assert row["cache_len"] == 1024 and row["ours_runs"].startswith("xla_dense")
+  assert row["first_index"] == 512  # half the cache written (--fill 0.5)
   for kind in ("flash_layers", "flax"):
     assert row[kind]["cpu_ms"] > 0 and row[kind]["wall_ms"] > 0
   assert row["ratio_cpu"] == round(row["flash_layers"]["cpu_ms"] / row["flax"]["cpu_ms"], 3)

@@ -77,3 +77,36 @@ def test_auto_on_cpu_is_dense_below_the_crossover_and_chunked_from_it(segments):
   assert f"kv_len {long} >= {long}" in e.reason and "memory" in e.reason
   # Cross-attention: the rule reads the key length, not the query length.
   assert fl.explain(_struct(long), _struct(short), _struct(short)).impl == "xla_dense"
+
+
+@pytest.mark.parametrize("config", ["decode_ragged_8k_gqa", "decode_ragged_causal_8k_q4_mqa",
+                                    "decode_window_at_the_end"])
+def test_the_decoding_forward_reads_only_visible_chunks_and_matches_the_oracle(config):
+  """Not differentiated and lowered for CPU, a call of <= 16 queries with a mask runs `_dense_bounded`:
+  the run of 512-key chunks holding a visible key, merged by an online softmax. Against the float64 oracle
+  (out and lse), on the conformance suite's ragged caches (one row empty, one short) and a window that
+  hides the cache's head; the jaxpr holds the run-time-bounded loop."""
+  import test_conformance as conformance
+
+  from flash_layers.impls import xla_dense
+  cfg = conformance.CONFIG_BY_NAME.get(config) or conformance.Config(
+      config, q_len=5, kv_len=3072, heads=4, kv_heads=2, causal=True, window=(700, 0), q_offset=3067)
+  problem = conformance.make_problem(cfg, "float32")
+  q, k, v, _ = (jnp.asarray(a) for a in problem.inputs)
+  seg = {name: jnp.asarray(ids) for name, ids in problem.seg.items()}
+  kwargs = {key: value for key, value in problem.kwargs.items() if key != "q_offset"}
+
+  def forward(q, k, v, offset):
+    request, args = dispatch.prepare(q, k, v, q_offset=offset, **seg, **kwargs)
+    return XlaDense().attend(q, k, v, request=request, args=args)
+
+  jaxpr = str(jax.make_jaxpr(forward)(q, k, v, cfg.q_offset))
+  assert "while" in jaxpr and f"{xla_dense.DECODE_CHUNK}" in jaxpr
+  out, lse = jax.jit(forward)(q, k, v, cfg.q_offset)
+  expected = problem.expected
+  err = np.abs(np.asarray(out, np.float64) - expected["out"]).max() / expected["magnitude"]["out"]
+  assert err <= conformance.F32_TOL, err
+  want_lse = np.asarray(expected["lse"])
+  np.testing.assert_array_equal(np.isfinite(np.asarray(lse)), np.isfinite(want_lse))
+  finite = np.isfinite(want_lse)
+  np.testing.assert_allclose(np.asarray(lse)[finite], want_lse[finite], atol=1e-5, rtol=0)

@@ -31,6 +31,13 @@ Why not `jax.nn.dot_product_attention` on CPU (xla_native): it reshapes q to
 layout found slow above; with a mask it also broadcasts the mask per group and
 zeroes rows with no visible key afterwards through a ``[b, h, t, s]`` reduction.
 
+* Decoding (up to `cpu_loop.FEW_QUERIES` queries, a mask, no dropout, ALiBi, bias or mods), lowered for
+  CPU and not differentiated: the step reads only the keys some query can see. A cache is written from
+  slot 0 on, so most of a generation's steps mask a tail of unwritten slots (and a window masks a
+  head); the forward walks the visible run of `DECODE_CHUNK`-key chunks, found from the mask, in a loop
+  with a run-time trip count, merging the chunks by an online softmax. K/V traffic is the cost of a
+  step on a CPU, so a half-full cache costs about half (docs/benchmarks.md, "Decoding: one step").
+
 Memory is O(q_len * kv_len) per head, like flax's attention; "auto" takes
 xla_chunked from `dispatch.CPU_CHUNKED_MIN_KV_LEN` keys on.
 """
@@ -49,6 +56,10 @@ from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
 
+# Keys per chunk of the decoding forward: a [4, 512, 12, 64] float32 chunk of K is 6 MiB, so a step's chunks
+# stream through the caches and an 8,192-slot cache is 16 trips of the loop.
+DECODE_CHUNK = 512
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class _DenseCall:
@@ -57,6 +68,7 @@ class _DenseCall:
 
   request: Request
   looped: bool = False  # the forward alone one batch row and kv head at a time (the CPU layout)
+  bounded: bool = False  # the forward alone over the visible run of key chunks (decoding on CPU)
 
   @property
   def group(self) -> int:  # query heads per kv head; 1 drops the "g" axis from every einsum
@@ -80,6 +92,8 @@ def _dense(st, q, k, v, mask, extra, keep, mod):
   # Differentiated: `_dense_fwd` on the whole call, saving what `_dense_bwd` needs.
   if st.looped:
     return _dense_looped(st, q, k, v, mask, extra, keep, mod)
+  if st.bounded:
+    return _dense_bounded(st, q, k, v, mask)
   return _dense_fwd(st, q, k, v, mask, extra, keep, mod)[0]
 
 
@@ -118,6 +132,48 @@ def _dense_looped(st, q, k, v, mask, extra, keep, mod):
   stacked = cpu_loop.map_rows_and_heads(head, lead, b, kvh)  # [b, kvh, *step result], its b/kvh axes 1
   whole = {n: jnp.moveaxis(jnp.squeeze(y, (2, 2 + _KV_AXIS[n])), 1, _KV_AXIS[n]) for n, y in stacked.items()}
   return whole["out"], whole["lse"]
+
+
+def _dense_bounded(st, q, k, v, mask):
+  """(out, lse) of `_dense_fwd` for a decoding call, reading only the chunks of keys that hold a visible one.
+
+  The run [first, last] of visible keys comes from the mask (any query of any row); the loop visits its
+  `DECODE_CHUNK`-key chunks, the count known at run time, each chunk's logits masked as in `_dense_fwd`
+  and merged by an online softmax (running max m, denominator l, unnormalised output)."""
+  s_len = k.shape[1]
+  seen = mask.reshape(-1, s_len).any(axis=0)  # [s]: a key some query of some row sees
+  any_seen = seen.any()
+  first = jnp.argmax(seen)
+  last = s_len - 1 - jnp.argmax(seen[::-1])
+  lo, hi = first // DECODE_CHUNK, jnp.where(any_seen, last // DECODE_CHUNK + 1, first // DECODE_CHUNK)
+  q = q * st.request.scale
+  stats = q.shape[:1] + (k.shape[2],) + ((st.group,) if st.group > 1 else ()) + (q.shape[1],)  # [b,k,(g),t]
+  dv = v.shape[-1]
+
+  def chunk(i, carry):
+    m, denom, acc = carry
+    start = i * DECODE_CHUNK
+    k_c = jax.lax.dynamic_slice_in_dim(k, start, DECODE_CHUNK, axis=1)
+    v_c = jax.lax.dynamic_slice_in_dim(v, start, DECODE_CHUNK, axis=1)
+    s_c = _einsum(st, "btkgd,bskd->bkgts", q, k_c)
+    if st.request.softcap is not None:
+      s_c = st.request.softcap * jnp.tanh(s_c / st.request.softcap)
+    s_c = jnp.where(jax.lax.dynamic_slice_in_dim(mask, start, DECODE_CHUNK, axis=mask.ndim - 1), s_c,
+                    -jnp.inf)
+    m_new = jnp.maximum(m, s_c.max(-1))
+    shift = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: exp gives 0, not NaN
+    p = jnp.exp(s_c - shift[..., None])
+    rescale = jnp.exp(m - shift)
+    pv = _einsum(st, "bkgts,bskv->btkgv", p, v_c)
+    return m_new, denom * rescale + p.sum(-1), acc * _to_rows(rescale) + pv
+
+  init = (jnp.full(stats, -jnp.inf, jnp.float32), jnp.zeros(stats, jnp.float32),
+          jnp.zeros((*q.shape[:-1], dv), jnp.float32))
+  m, denom, acc = jax.lax.fori_loop(lo, hi, chunk, init)
+  has_key = denom > 0
+  inv = jnp.where(has_key, 1.0 / jnp.where(has_key, denom, 1.0), 0.0)
+  lse = jnp.where(has_key, m + jnp.log(jnp.where(has_key, denom, 1.0)), -jnp.inf)
+  return acc * _to_rows(inv), lse
 
 
 def _logits(st, q, k, mask, extra, mod):
@@ -257,16 +313,20 @@ class XlaDense:
     return "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
+    if _bounded(request):
+      return lowering.platform_dependent(
+          q, k, v, cpu=lambda q, k, v: self._attend(q, k, v, request=request, args=args, bounded=True),
+          default=lambda q, k, v: self._attend(q, k, v, request=request, args=args))
     if not cpu_loop.worth_looping(q, k, q.shape[1], k.shape[1], cpu_loop.loop_bytes(request)):
       return self._attend(q, k, v, request=request, args=args)
     return lowering.platform_dependent(
         q, k, v, cpu=lambda q, k, v: self._attend(q, k, v, request=request, args=args, looped=True),
         default=lambda q, k, v: self._attend(q, k, v, request=request, args=args))
 
-  def _attend(self, q, k, v, *, request: Request, args: Args, looped: bool = False):
+  def _attend(self, q, k, v, *, request: Request, args: Args, looped: bool = False, bounded: bool = False):
     b, t, h, _ = q.shape
     st, f32, mask, extra, keep, mod = _operands(q, k, v, request, args)
-    out, lse = _dense(dataclasses.replace(st, looped=looped), *f32, mask, extra, keep, mod)
+    out, lse = _dense(dataclasses.replace(st, looped=looped, bounded=bounded), *f32, mask, extra, keep, mod)
     return out.reshape(b, t, h, -1).astype(q.dtype), lse.reshape(b, h, t)
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
@@ -286,6 +346,16 @@ class XlaDense:
     dq, dk, dv, _, _ = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, mod, dout,
                               stats(delta.astype(jnp.float32)))
     return dq.reshape(b, t, h, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _bounded(request: Request) -> bool:
+  """Whether a call takes the decoding forward on CPU (`_dense_bounded`): few queries, a mask from
+  causal / window / segment ids that may hide a run of keys, whole chunks, nothing else on the logits."""
+  r = request
+  return (r.q_len <= cpu_loop.FEW_QUERIES and r.kv_len % DECODE_CHUNK == 0 and r.kv_len > DECODE_CHUNK
+          and (r.spec.causal or r.spec.window is not None or r.has_segment_ids)
+          and not (r.has_dense_mask or r.has_dropout or r.has_alibi or r.has_bias or r.has_mods
+                   or r.spec.global_tokens))
 
 
 def _operands(q, k, v, request: Request, args: Args):
