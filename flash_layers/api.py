@@ -239,7 +239,10 @@ def _describe_mods(request, args, impl: str) -> str | None:
                                                           ("score_mod", request.score_mod)) if fn is not None]
   if request.mask_mod is not None and registry.impl_has(impl, "block_stats"):
     if args.mod_tiles is not None:
-      parts.append("tile flags from the block_mask")
+      # flash_pallas: the TPU kernels take the block mask's tiles (multiples of 128); a kernel whose tiles
+      # differ (the GPU's, or block_sizes given) builds flags for its own.
+      parts.append("tile flags from the block_mask (a kernel with other tiles builds its own)"
+                   if impl == "flash_pallas" else "tile flags from the block_mask")
     else:
       parts.append(f"tile flags built by this call: mask_mod evaluated on {request.q_len * request.kv_len:,} "
                    "pairs per row (fl.block_mask builds them once for every layer)")

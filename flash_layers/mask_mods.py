@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 __all__ = ["all_of", "any_of", "block_table", "causal", "chunked_causal", "dilated", "document",
@@ -34,6 +35,20 @@ class _MaskMod:
 
   def __or__(self, other):
     return any_of(self, other)
+
+
+def _div(x, n: int):
+  """x // n for the non-negative positions a mask reads, as truncating division (`lax.div`): jnp's
+  floor division adds a sign fix-up whose Mosaic lowering queries the local chip, so a kernel that
+  used it could not be compiled ahead of time for a TPU from another host."""
+  x = jnp.asarray(x)
+  return jax.lax.div(x, jnp.full(x.shape, n, x.dtype))
+
+
+def _rem(x, n: int):
+  """x % n up to its sign (`lax.rem`): equal to 0 exactly when x % n is."""
+  x = jnp.asarray(x)
+  return jax.lax.rem(x, jnp.full(x.shape, n, x.dtype))
 
 
 def _operand_index(name: str, value) -> int:
@@ -88,7 +103,7 @@ class _ChunkedCausal(_MaskMod):
   chunk: int
 
   def __call__(self, b, h, q_idx, kv_idx, *operands):
-    return (kv_idx <= q_idx) & (q_idx // self.chunk == kv_idx // self.chunk)
+    return (kv_idx <= q_idx) & (_div(q_idx, self.chunk) == _div(kv_idx, self.chunk))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,7 +111,7 @@ class _Dilated(_MaskMod):
   dilation: int
 
   def __call__(self, b, h, q_idx, kv_idx, *operands):
-    return (q_idx - kv_idx) % self.dilation == 0
+    return _rem(q_idx - kv_idx, self.dilation) == 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +130,7 @@ class _BlockTable(_MaskMod):
 
   def __call__(self, b, h, q_idx, kv_idx, *operands):
     table = operands[self.operand]  # bool [ceil(q_len / block_q), ceil(kv_len / block_kv)]
-    return table[q_idx // self.block_q, kv_idx // self.block_kv]
+    return table[_div(q_idx, self.block_q), _div(kv_idx, self.block_kv)]
 
 
 @dataclasses.dataclass(frozen=True)

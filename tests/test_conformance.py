@@ -53,8 +53,8 @@ CASES = [
 # Features a case refuses by design (docs/contract.md feature table) -> the suite expects UnsupportedError.
 REFUSED = {
     ("xla_native", None): ("softcap", "head_dim_v", "dropout", "score_mod"),
-    ("flash_pallas", "tpu"): ("dense bias", "mask_mod", "score_mod"),
-    ("flash_pallas", "gpu"): ("dense bias", "mask_mod", "score_mod"),
+    ("flash_pallas", "tpu"): ("dense bias", "score_mod operand gradients"),
+    ("flash_pallas", "gpu"): ("dense bias", "score_mod operand gradients"),
     ("jax_splash", "tpu"): ("dropout", "alibi", "dense bias", "global tokens", "mask_mod", "score_mod"),
 }
 
@@ -82,17 +82,19 @@ BF16_CONFIGS = (
     "global_causal_window_packed_batch3", "global_cross_packed", "dropout05_packed_gqa_batch2",
     "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
     "bias_full_dropout_causal_batch2", "bias_shared_cross_packed_alibi", "sinks_orphans_causal_gqa_batch2",
-    "mod_t5_prefix_gqa_batch2", "mod_documents_cross_batch2", "decode_ragged_causal_8k_q4_mqa")
+    "mod_t5_prefix_gqa_batch2", "mod_documents_cross_batch2", "decode_ragged_causal_8k_q4_mqa",
+    "mod_prefix_lm_gqa_batch2", "mod_softcap_as_score_mod_causal")
 
 # Our interpreted kernels (seconds per configuration) run bfloat16 on fewer of them, which still
 # hold every feature they serve: tails, several blocks, GQA/MQA, batch, cross lengths, packed
 # segments, rows that see no key, windows, global tokens, head_dim 80 and head_dim_v != head_dim,
-# softcap, ALiBi and dropout (broadcast and not).
+# softcap, ALiBi, dropout (broadcast and not), a mask_mod with an operand and a score_mod.
 INTERPRETED_BF16 = (
     "len7_mqa", "len333_causal_h8_kv2", "cross_packed_batch3", "d80", "dv128_d32_causal_gqa",
     "orphan_rows_cross_causal", "causal_window_packed_batch3", "softcap_causal_gqa_packed",
     "global_cross_packed", "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
-    "sinks_orphans_causal_gqa_batch2", "decode_ragged_causal_8k_q4_mqa")
+    "sinks_orphans_causal_gqa_batch2", "decode_ragged_causal_8k_q4_mqa", "mod_prefix_lm_gqa_batch2",
+    "mod_softcap_as_score_mod_causal")
 
 F32_TOL = 1e-5
 BF16_FLOOR = 2e-3
@@ -163,6 +165,8 @@ class Config:
       scenario = MOD_SCENARIOS[self.mods]
       used |= {name for name, fn in (("mask_mod", scenario.mask_mod), ("score_mod", scenario.score_mod))
                if fn is not None}
+      if scenario.grads is not None:  # a score_mod whose floating-point operands take gradients
+        used.add("score_mod operand gradients")
     return used
 
 
@@ -428,7 +432,9 @@ class Problem:
   def kwargs(self) -> dict:
     cfg = self.cfg
     kwargs = {"causal": cfg.causal, "window": cfg.window, "softcap": cfg.softcap, "scale": cfg.scale,
-              "global_tokens": cfg.global_tokens, "q_offset": cfg.q_offset}
+              "global_tokens": cfg.global_tokens}
+    if cfg.q_offset:
+      kwargs["q_offset"] = cfg.q_offset
     if cfg.dropout:
       kwargs.update(dropout_rate=cfg.dropout, dropout_rng=dropout_key(cfg, self.seed),
                     dropout_broadcast=cfg.dropout_broadcast)

@@ -154,3 +154,33 @@ def test_decoding_queries_lower_to_the_split_kv_kernel_and_back(q_len, heads, kv
   grad = jax.grad(lambda *a: attend(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))
   assert sorted(KERNEL_NAME.findall(_lower_for_cuda(grad, *specs))) == sorted(
       ["flash_pallas_gpu_decode", "flash_pallas_gpu_backward_dkv", "flash_pallas_gpu_backward_dq"])
+
+
+@pytest.mark.parametrize("mods", ["prefix_lm", "chunked_causal", "score_mod_cap"])
+def test_mods_lower_to_our_triton_kernels(mods):
+  """A mask_mod (prefix-LM with per-row prefixes in an operand, chunked causal) or a score_mod (a tanh
+  cap) inside our three kernels, forward and backward."""
+  specs = _specs(2, 512, 4, 2, 64)
+  options = {"prefix_lm": dict(mask_mod=fl.masks.prefix_lm(operand=0)),
+             "chunked_causal": dict(mask_mod=fl.masks.chunked_causal(128)),
+             "score_mod_cap": dict(score_mod=lambda s, *_: 30.0 * jnp.tanh(s / 30.0), causal=True)}[mods]
+  operands = (jax.ShapeDtypeStruct((2,), jnp.int32),) if mods == "prefix_lm" else ()
+
+  def loss(q, k, v, *ops):
+    return fl.attention(q, k, v, impl="flash_pallas", mod_operands=ops or None, **options).astype(
+        jnp.float32).sum()
+
+  text = _lower_for_cuda(jax.grad(loss, (0, 1, 2)), *specs, *operands)
+  assert sorted(KERNEL_NAME.findall(text)) == sorted(FORWARD_BACKWARD)
+
+
+def test_a_gather_in_a_mod_fails_to_lower_naming_it():
+  """`fl.masks.document` reads its operand with index arrays: our kernels run it interpreted, but the
+  CUDA lowering fails naming the gather and the impls that serve it."""
+  q, k, v, seg = _specs(2, 100, 4, 2, 16, segments=True)
+
+  def f(q, k, v, seg):
+    return fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.document(), mod_operands=(seg,))
+
+  with pytest.raises(ValueError, match=r"index arrays \(a gather\).*GPU \(Triton\).*xla_chunked"):
+    _lower_for_cuda(f, q, k, v, seg)

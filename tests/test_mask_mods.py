@@ -66,19 +66,56 @@ def test_named_mask_mods_equal_the_builtin_arguments(impl, sizes, rule):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
 
 
-def test_kernels_refuse_mods_by_name_and_say_who_serves_them():
+@pytest.mark.parametrize("family", ["tpu", "gpu"])
+@pytest.mark.parametrize("rule", sorted(BUILTIN_PAIRS))
+def test_named_mask_mods_equal_the_builtin_arguments_in_our_kernels(family, rule):
+  """flash_pallas (interpreted): a named mask_mod visits the same tiles as the built-in argument. The
+  TPU kernels walk them in the same order: identical outputs. The GPU kernels walk a built-in causal
+  or window range interior blocks first (no element mask), a mask_mod's block list in index order:
+  the online softmax sums in another order, equal to float32 rounding."""
   q, k, v = _qkv()
-  for platform, impl in (("tpu", "flash_pallas"), ("gpu", "flash_pallas"), ("tpu", "jax_splash")):
-    with fl.interpret_as(platform):
-      for options, feature in ((dict(mask_mod=fl.masks.causal()), "mask_mod"),
-                               (dict(score_mod=lambda s, *_: s), "score_mod")):
-        with pytest.raises(fl.UnsupportedError, match=rf"{impl}.*{feature}.*impls that do: .*xla_chunked"):
-          fl.attention(q, k, v, impl=impl, **options)
+  builtin, named = BUILTIN_PAIRS[rule]
+
+  def run(options):
+    f = lambda q, k, v: fl.attention(q, k, v, impl="flash_pallas", **options)  # noqa: E731
+    with fl.interpret_as(family):
+      out = jax.jit(f)(q, k, v)
+      grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    return out, grads
+
+  (out_a, grads_a), (out_b, grads_b) = run(builtin), run(named)
+  if family == "tpu":
+    np.testing.assert_array_equal(out_a, out_b)
+  else:
+    np.testing.assert_allclose(out_a, out_b, rtol=0, atol=1e-6)
+  for a, b in zip(grads_a, grads_b, strict=True):
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+
+
+def test_impls_refuse_what_they_cannot_serve_by_name_and_say_who_serves_it():
+  q, k, v = _qkv()
+  table = jnp.zeros((H, 9), jnp.float32)
+
+  def relative_bias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, jnp.clip(kv_idx - q_idx, -4, 4) + 4]
+
+  with fl.interpret_as("tpu"):
+    for options, feature in ((dict(mask_mod=fl.masks.causal()), "mask_mod"),
+                             (dict(score_mod=lambda s, *_: s), "score_mod")):
+      with pytest.raises(fl.UnsupportedError, match=rf"jax_splash.*{feature}.*impls that do: .*xla_chunked"):
+        fl.attention(q, k, v, impl="jax_splash", **options)
+  # Our kernels evaluate mods, but accumulate no gradient for a score_mod's floating-point operands.
+  for platform in ("tpu", "gpu"):
+    refusal = r"flash_pallas.*score_mod operand gradients.*impls that do: .*xla_chunked"
+    with fl.interpret_as(platform), pytest.raises(fl.UnsupportedError, match=refusal):
+      fl.attention(q, k, v, impl="flash_pallas", score_mod=relative_bias, mod_operands=(table,))
   with pytest.raises(fl.UnsupportedError, match="xla_native.*score_mod"):
     fl.attention(q, k, v, impl="xla_native", score_mod=lambda s, *_: s)
-  # "auto" for TPU takes the chunked impl instead of refusing.
-  with fl.interpret_as("tpu"):
-    assert fl.explain(q, k, v, mask_mod=fl.masks.causal()).impl != "flash_pallas"
+  # "auto" for a TPU runs a mask_mod in our kernel, a learned score_mod table in the chunked impl.
+  from flash_layers import dispatch
+  for options, impl in ((dict(mask_mod=fl.masks.causal()), "flash_pallas"),
+                        (dict(score_mod=relative_bias, mod_operands=(table,)), "xla_chunked")):
+    assert dispatch.resolve("auto", dispatch.prepare(q, k, v, **options)[0], "tpu")[0] == impl
 
 
 def _visible_tiles(visible: np.ndarray, bq: int, bk: int) -> int:
@@ -267,3 +304,29 @@ def test_block_mask_mismatches_are_refused():
   # Served by every impl that serves mask_mod: the dense ones evaluate the mask elementwise.
   np.testing.assert_array_equal(fl.attention(q, k, v, impl="xla_dense", block_mask=bm),
                                 fl.attention(q, k, v, impl="xla_dense", causal=True))
+
+
+def test_our_tpu_kernels_take_a_block_masks_tiles_and_reuse_its_flags():
+  """Given `block_mask=` (tiles multiples of 128), the TPU kernels tile by it and read its flags instead
+  of evaluating the mask_mod on their tiles again (no `lax.map` of `mods.tile_flags` in the call); the
+  output and gradients equal the reference's."""
+  t = 1024
+  rng = np.random.default_rng(3)
+  q, k, v = (jnp.asarray(rng.standard_normal((1, t, 2, 32)), jnp.float32) for _ in range(3))
+  prefix = np.array([300], np.int32)
+  mask_mod = fl.masks.prefix_lm(operand=0)
+  bm = fl.block_mask(mask_mod, batch=1, q_len=t, mod_operands=(prefix,), block_q=256, block_kv=256)
+
+  def f(q, k, v, impl, **kw):
+    return fl.attention(q, k, v, impl=impl, mod_operands=(prefix,), **kw)
+
+  with fl.interpret_as("tpu"):
+    with_bm = str(jax.make_jaxpr(lambda q, k, v: f(q, k, v, "flash_pallas", block_mask=bm))(q, k, v))
+    without = str(jax.make_jaxpr(lambda q, k, v: f(q, k, v, "flash_pallas", mask_mod=mask_mod))(q, k, v))
+    assert "scan" not in with_bm and "scan" in without
+    got = jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, "flash_pallas", block_mask=bm) ** 2),
+                             argnums=(0, 1, 2))(q, k, v)
+  want = jax.value_and_grad(lambda q, k, v: jnp.sum(f(q, k, v, "reference", mask_mod=mask_mod) ** 2),
+                            argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)

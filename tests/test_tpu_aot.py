@@ -338,3 +338,58 @@ def test_a_head_major_cache_reaches_the_decode_kernel_without_a_copy():
   assert _mosaic_kernels(head_major.as_text()) == ["flash_layers_decode"]
   assert head_major.memory_analysis().temp_size_in_bytes < cache_bytes / 64
   assert flax_layout.memory_analysis().temp_size_in_bytes >= cache_bytes
+
+
+MOD_OPTIONS = {
+    "prefix_lm": dict(mask_mod=fl.masks.prefix_lm(operand=0)),  # per-row prefixes: an SMEM operand
+    "chunked_causal": dict(mask_mod=fl.masks.chunked_causal(512)),
+    "score_mod_cap": dict(score_mod=lambda s, *_: 30.0 * jnp.tanh(s / 30.0), causal=True),
+}
+
+
+@pytest.mark.parametrize("generation", list(TOPOLOGIES))
+@pytest.mark.parametrize("mods", sorted(MOD_OPTIONS))
+def test_mods_compile_into_our_mosaic_kernels(generation, mods):
+  """A mask_mod (evaluated on partial tiles; its empty tiles out of the grid) or a score_mod (and its
+  derivative in both backward kernels), forward and backward, compiled by Mosaic for every generation."""
+  placed = jax.sharding.SingleDeviceSharding(_device(generation))
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=placed)  # noqa: E731
+  operands = (spec((2,), jnp.int32),) if mods == "prefix_lm" else ()
+
+  def loss(q, k, v, *ops):
+    return fl.attention(q, k, v, impl="flash_pallas", mod_operands=ops or None,
+                        **MOD_OPTIONS[mods]).astype(jnp.float32).sum()
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(
+      spec((2, 2048, 4, 128)), spec((2, 2048, 2, 128)), spec((2, 2048, 2, 128)), *operands).compile()
+  assert _mosaic_kernels(compiled.as_text()) == sorted(KERNELS)
+
+
+def test_a_131k_token_mask_mod_plan_fits_one_v5p_chip():
+  """Prefix-LM at 131,072 tokens (per-row prefixes): the block plan the kernels read from scalar memory
+  is 4 words per block row (first tile, tiles, first full tile, full tiles), and the forward and
+  backward compile for one v5p chip."""
+  placed = jax.sharding.SingleDeviceSharding(_device("v5p"))
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=placed)  # noqa: E731
+  x = spec((1, 131072, 1, 128))
+
+  def loss(q, k, v, prefix):
+    return fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.prefix_lm(operand=0),
+                        mod_operands=(prefix,)).astype(jnp.float32).sum()
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x, x, x, spec((1,), jnp.int32)).compile()
+  assert _mosaic_kernels(compiled.as_text()) == sorted(KERNELS)
+
+
+def test_a_gather_in_a_mod_fails_to_compile_for_a_tpu_naming_it():
+  """`fl.masks.document` reads its operand with index arrays (a gather Mosaic cannot lower): the TPU
+  lowering fails naming it and the impls that serve it; interpreted, our kernels run it."""
+  placed = jax.sharding.SingleDeviceSharding(_device("v5e"))
+  spec = lambda shape, dtype=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dtype, sharding=placed)  # noqa: E731
+
+  def f(q, k, v, ids):
+    return fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.document(), mod_operands=(ids,))
+
+  with pytest.raises(ValueError, match=r"index arrays \(a gather\).*TPU \(Mosaic\).*xla_chunked"):
+    jax.jit(f).lower(spec((1, 512, 2, 128)), spec((1, 512, 2, 128)), spec((1, 512, 2, 128)),
+                     spec((1, 512), jnp.int32)).compile()

@@ -53,6 +53,7 @@ import dataclasses
 from typing import Any, Protocol
 
 import jax
+import jax.numpy as jnp
 
 from flash_layers.errors import UserError
 from flash_layers.masks import MaskSpec
@@ -94,10 +95,18 @@ class Request:
   score_mod: Any = None
   # A prebuilt block_mask's (block_q, block_kv) (mods.block_mask): xla_chunked's chunks then.
   block_mask_tiles: tuple[int, int] | None = None
+  # The dtypes of mod_operands (names): whether a score_mod's operands take gradients (the floating ones).
+  mod_operand_dtypes: tuple[str, ...] = ()
 
   @property
   def has_mods(self) -> bool:
     return self.mask_mod is not None or self.score_mod is not None
+
+  @property
+  def has_float_score_operands(self) -> bool:
+    """A score_mod with floating-point operands: the loss's gradient reaches them."""
+    return self.score_mod is not None and any(
+        jnp.issubdtype(jnp.dtype(d), jnp.floating) for d in self.mod_operand_dtypes)
 
   @property
   def has_dropout(self) -> bool:

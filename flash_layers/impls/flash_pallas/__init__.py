@@ -22,9 +22,9 @@ from typing import Protocol
 
 import jax
 
-from flash_layers import lowering, masks
+from flash_layers import lowering, masks, mods
 from flash_layers.impls import registry
-from flash_layers.impls.base import Args, Request
+from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.flash_pallas import decode
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
@@ -122,9 +122,8 @@ class FlashPallas:
       return "dense mask"
     if request.has_bias:  # an O(q * kv) operand per head defeats the kernels' purpose
       return "dense bias"
-    for name in ("mask_mod", "score_mod"):
-      if getattr(request, name) is not None:  # the kernels evaluate only the built-in rules so far
-        return name
+    if request.has_float_score_operands:  # the kernels do not accumulate operand gradients
+      return "score_mod operand gradients"
     family, _ = family_for(platform)
     return _family(family).unsupported(request)
 
@@ -144,9 +143,21 @@ class FlashPallas:
     if decode.unserved(request) is None:
       return decode.block_stats(request, args, family)
     block_q, block_kv = _family(family).block_shape(request, platform)
+    tiles = None
+    if request.mask_mod is not None:  # the tiles the mask_mod leaves empty are not visited
+      if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
+        return None
+
+      def tiles():
+        return mods.tile_flags(request.mask_mod, args.mod_operands, batch=request.batch,
+                               heads=range(request.num_heads), batch_offset=0, q_offset=args.q_offset,
+                               kv_offset=args.kv_offset, q_len=request.q_len, kv_len=request.kv_len,
+                               block_q=block_q, block_kv=block_kv,
+                               num_q_blocks=-(-request.q_len // block_q),
+                               num_kv_blocks=-(-request.kv_len // block_kv))
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
-                             args.kv_segment_ids, args.q_offset, args.kv_offset)
+                             args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
 
   def grid_steps(self, request: Request, args: Args, platform: str) -> int | None:
     """Grid steps of the forward kernel over batch and heads (TPU family: its grid holds only
@@ -174,6 +185,20 @@ class FlashPallas:
             q, k, v, lse, delta, d_out, request=request, args=args, interpret=interpret)))
 
 
+def _lowerable(fn, shapes, interpret: bool):
+  """`fn`, except that a mod the compiled kernels cannot lower (`kernel_mods.Operand`: a gather) makes
+  the branch fail when it is lowered, naming the op, instead of failing every platform's trace."""
+  if interpret:
+    return fn
+
+  def run(q, k, v):
+    try:
+      return fn(q, k, v)
+    except UnsupportedError as e:
+      return tuple(lowering.fails_when_lowered(str(e), shapes, q, k, v))
+  return run
+
+
 def _by_family(request: Request, q, k, v, shapes, run):
   """``run(family, interpret)(q, k, v)`` with the family of the platform the call is lowered for
   (or the one `interpret_as` forces). A branch whose family the request's block_sizes do not fit
@@ -191,7 +216,7 @@ def _by_family(request: Request, q, k, v, shapes, run):
   def branch(family: str, interpret: bool, platform: str | None):
     message = wrong_block_sizes(request, family, _where(platform))
     if message is None:
-      return runners.setdefault((family, interpret), run(family, interpret))
+      return runners.setdefault((family, interpret), _lowerable(run(family, interpret), shapes, interpret))
     return lambda q, k, v: tuple(lowering.fails_when_lowered(message, shapes, q, k, v))
 
   return lowering.platform_dependent(q, k, v, tpu=branch("tpu", False, "tpu"),

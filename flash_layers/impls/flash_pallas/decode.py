@@ -24,7 +24,7 @@ The backward is the family's own backward kernels from the merged logsumexp (`at
 a decoding step is rarely differentiated, but the contract holds for it like for any call.
 
 `unserved` says which requests take this path: short queries without the features the decode kernels
-leave to the forward kernels (dropout, ALiBi, global tokens; GQA groups whose rows exceed `MAX_ROWS`).
+leave to the forward kernels (dropout, ALiBi, global tokens, mods; GQA groups whose rows exceed `MAX_ROWS`).
 Those run the forward kernels, which serve everything; explain() names the kernel either way.
 """
 
@@ -59,7 +59,8 @@ def unserved(request: Request) -> str | None:
   if group * request.q_len > MAX_ROWS:
     return f"heads per kv head * q_len = {group * request.q_len} > {MAX_ROWS} rows"
   for feature, used in (("dropout", request.has_dropout), ("alibi", request.has_alibi),
-                        ("global tokens", bool(request.spec.global_tokens))):
+                        ("global tokens", bool(request.spec.global_tokens)),
+                        ("mask_mod / score_mod", request.has_mods)):
     if used:
       return feature
   return None

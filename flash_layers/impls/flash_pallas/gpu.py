@@ -61,10 +61,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flash_layers import dropout, kernel_table, masks
+from flash_layers import dropout, kernel_table, masks, mods
 from flash_layers.alibi import alibi
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.flash_pallas import gpu_config
+from flash_layers.impls.flash_pallas import gpu_config, kernel_mods
 from flash_layers.impls.tiling import MIN_GPU_TILE, GpuBlockSizes, round_up
 
 LOG2E = math.log2(math.e)
@@ -120,6 +120,8 @@ class _GpuCall:
   request: Request
   cfg: GpuBlockSizes  # gpu_config.config(request): the tiles and launch parameters actually used
   interpret: bool
+  # mask_mod / score_mod operands (kernel_mods.flatten), read whole by every program.
+  operands: tuple[kernel_mods.Meta, ...] = ()
 
   @property
   def has_segments(self) -> bool:
@@ -129,8 +131,19 @@ class _GpuCall:
   def arithmetic(self) -> bool:
     """Whether each block's visible blocks are one range computed from the offsets (causal,
     windows, neither) rather than listed by `masks.block_map` (segment ids; global tokens, whose
-    visible set is the band plus the first rows and columns: not one interval)."""
-    return not self.has_segments and not self.request.spec.global_tokens
+    visible set is the band plus the first rows and columns: not one interval; a mask_mod, whose
+    tiles come from `mods.tile_flags`)."""
+    return (not self.has_segments and not self.request.spec.global_tokens
+            and self.request.mask_mod is None)
+
+  @property
+  def map_rows(self) -> bool:
+    """Whether the block map has a row per batch row (segment ids, a mask_mod)."""
+    return self.has_segments or self.request.mask_mod is not None
+
+  def mod_views(self, refs) -> tuple:
+    """The operands as a mod sees them inside a kernel (`kernel_mods.Operand`)."""
+    return kernel_mods.views(refs, self.operands, self.interpret, "a GPU (Triton) kernel")
 
   @property
   def group(self) -> int:
@@ -148,7 +161,7 @@ class _GpuCall:
     """Whether any tile needs the element mask (else every loaded pair is visible)."""
     spec = self.request.spec
     return (spec.causal or spec.window is not None or self.has_segments
-            or self.request.kv_len % block_kv != 0)
+            or self.request.mask_mod is not None or self.request.kv_len % block_kv != 0)
 
 
 # ----------------------------------------------------------------------------
@@ -250,53 +263,77 @@ def _dot(st: _GpuCall, a, b, contract):
 
 
 def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
-                 q_seg, kv_seg, alibi=None):
+                 q_seg, kv_seg, alibi=None, mod_at=None, grad: bool = False):
   """Base-2 logits of one [block_q, block_kv] tile, masked to -inf where invisible.
 
   masked: False for an interior tile (every pair visible: no element mask), True for an edge
-  tile, or the block map's traced `full` flag (segment ids), decided per tile behind a `cond`.
-  Keys past kv_len (zeros from the masked loads) are masked like invisible ones.
-  Returns (s2, tanh_t): s2 = logits * log2(e) in float32; tanh_t is tanh(x / softcap)
-  (needed by the backward's chain rule) or None without softcap.
+  tile, or the block map's traced `full` flag (segment ids, mask_mod), decided per tile behind a
+  `cond`. Keys past kv_len (zeros from the masked loads) are masked like invisible ones.
+  mod_at: (batch row, query head, operand views) when the request has a mask_mod or score_mod.
+  Returns (s2, chain): s2 = cap(score_mod(logits)) * log2(e) in float32; chain (``grad``) takes the
+  gradient of the capped logits to that of the raw ones (the softcap's 1 - tanh^2, then score_mod's
+  derivative by `jax.vjp`), or None (identity).
   """
+  r = st.request
   raw = _dot(st, q, k, ((1,), (1,)))
-  tanh_t = None
-  if st.request.softcap is None:
-    s2 = raw * (st.request.scale * LOG2E)
+  idx = None
+  if mod_at is not None:
+    batch, head, operands = mod_at
+    q_pos = offsets_ref[kernel_table.Q_OFFSET] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+    kv_pos = offsets_ref[kernel_table.KV_OFFSET] + kv_block * block_kv + jnp.arange(block_kv,
+                                                                                  dtype=jnp.int32)
+    idx = mods.Indices(batch, head, q_pos[:, None], kv_pos[None, :])  # mods refused on a mesh: local = global
+  chain = None
+  if r.softcap is None and r.score_mod is None:
+    s2 = raw * (r.scale * LOG2E)
     if alibi is not None:
       s2 = s2 + alibi * LOG2E
   else:
-    x = raw * st.request.scale
+    x = raw * r.scale
     if alibi is not None:
       x = x + alibi
-    tanh_t = jnp.tanh(x * (1.0 / st.request.softcap))
-    s2 = tanh_t * (st.request.softcap * LOG2E)
+    score_vjp = None
+    if r.score_mod is not None:
+      def rewrite(x):
+        return mods.score(r.score_mod, x, idx, operands)
+      x, score_vjp = jax.vjp(rewrite, x) if grad else (rewrite(x), None)
+    if r.softcap is None:
+      s2 = x * LOG2E
+      if grad:
+        chain = lambda ds: score_vjp(ds)[0]  # noqa: E731
+    else:
+      tanh_t = jnp.tanh(x * (1.0 / r.softcap))
+      s2 = tanh_t * (r.softcap * LOG2E)
+      if grad:
+        def chain(ds):
+          ds = ds * (1.0 - tanh_t * tanh_t)
+          return ds if score_vjp is None else score_vjp(ds)[0]
   if masked is False or not st.needs_mask(block_kv):
-    return s2, tanh_t
+    return s2, chain
 
   def element_mask(s2):
     q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
     kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
     q_pos = (offsets_ref[kernel_table.Q_OFFSET] + q_local)[:, None]
     kv_pos = (offsets_ref[kernel_table.KV_OFFSET] + kv_local)[None, :]
-    ok = masks.visible(q_pos, kv_pos, st.request.spec,
+    ok = masks.visible(q_pos, kv_pos, r.spec,
                        None if q_seg is None else q_seg[:, None],
                        None if kv_seg is None else kv_seg[None, :])
-    if st.request.kv_len % block_kv:
-      ok = ok & (kv_local < st.request.kv_len)[None, :]
+    if r.mask_mod is not None:
+      ok = ok & mods.mask(r.mask_mod, idx, operands)
+    if r.kv_len % block_kv:
+      ok = ok & (kv_local < r.kv_len)[None, :]
     return jnp.where(ok, s2, -jnp.inf)
 
   if masked is True:
-    return element_mask(s2), tanh_t
-  return lax.cond(masked != 0, element_mask, lambda s2: s2, s2), tanh_t
+    return element_mask(s2), chain
+  return lax.cond(masked != 0, element_mask, lambda s2: s2, s2), chain
 
 
-def _grad_logits(st: _GpuCall, p, dp, delta, tanh_t):
-  """dS for one tile: P * (dP - D), through the softcap's tanh when there is one."""
+def _grad_logits(st: _GpuCall, p, dp, delta, chain):
+  """dS for one tile: P * (dP - D), through the softcap's tanh and score_mod when there are some."""
   ds = p * (dp - delta[:, None])
-  if tanh_t is not None:
-    ds = ds * (1.0 - tanh_t * tanh_t)
-  return ds
+  return ds if chain is None else chain(ds)
 
 
 def _walk(st: _GpuCall, offsets_ref, table, own_block, own_size, own_len, other_size, other_len,
@@ -337,12 +374,13 @@ def _split_refs(st: _GpuCall, refs):
   segs = None
   if st.has_segments:
     segs, refs = refs[:2], refs[2:]
-  return offsets_ref, table, segs, refs
+  n = len(st.operands)
+  return offsets_ref, table, segs, (st.mod_views(refs[:n]), *refs[n:])
 
 
 def _forward_kernel(st: _GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
-  offsets_ref, table, segs, (q_ref, k_ref, v_ref, o_ref, lse_ref) = _split_refs(st, refs)
+  offsets_ref, table, segs, (operands, q_ref, k_ref, v_ref, o_ref, lse_ref) = _split_refs(st, refs)
   r = st.request
   block_q, block_kv = st.cfg.block_q, st.cfg.block_kv
   q_block, bh = pl.program_id(0), pl.program_id(1)
@@ -364,7 +402,8 @@ def _forward_kernel(st: _GpuCall, *refs):
     k = _load(k_ref.at[kv_slice, :], start, rows, r.head_dim)
     positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, _ = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
-                         q_seg, kv_seg, _alibi(st, offsets_ref, head, positions))
+                         q_seg, kv_seg, _alibi(st, offsets_ref, head, positions),
+                         (batch, head, operands) if r.has_mods else None)
     m_new = jnp.maximum(m, s2.max(axis=-1))
     # A row that has seen only masked keys keeps m = -inf; subtracting 0 instead
     # keeps exp2 at exp2(-inf) = 0 rather than exp2(nan).
@@ -382,7 +421,7 @@ def _forward_kernel(st: _GpuCall, *refs):
   init = (jnp.zeros((block_q, st.dv_pad), jnp.float32),
           jnp.full((block_q,), -jnp.inf, jnp.float32), jnp.zeros((block_q,), jnp.float32))
   acc, m, denom = _walk(st, offsets_ref, table, q_block, block_q, r.q_len, block_kv, r.kv_len,
-                        True, visit, init, map_row=batch if st.has_segments else 0)
+                        True, visit, init, map_row=batch if st.map_rows else 0)
 
   seen = denom > 0  # False for a row that sees no key: zeros out, lse = -inf
   denom = jnp.where(seen, denom, 1.0)
@@ -397,7 +436,7 @@ def _forward_kernel(st: _GpuCall, *refs):
 def _dkv_kernel(st: _GpuCall, *refs):
   """One program: kv block `program_id(0)` of (batch, kv head) `program_id(1)`."""
   offsets_ref, table, segs, refs = _split_refs(st, refs)
-  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
+  operands, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dk_ref, dv_ref = refs
   r = st.request
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   kv_block, bkv = pl.program_id(0), pl.program_id(1)
@@ -422,8 +461,9 @@ def _dkv_kernel(st: _GpuCall, *refs):
       q = _load(q_ref.at[q_slice, head, :], start, rows, r.head_dim)
       q_seg = _load(segs[0].at[q_slice], start, rows) if segs else None
       positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
-      s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
-                                q_seg, kv_seg, _alibi(st, offsets_ref, first_head + head, positions))
+      s2, chain = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
+                               q_seg, kv_seg, _alibi(st, offsets_ref, first_head + head, positions),
+                               (batch, first_head + head, operands) if r.has_mods else None, grad=True)
       # lse2 is +inf for rows that see no key, so their p is exactly 0.
       p = jnp.exp2(s2 - _load(lse2_ref.at[head, q_slice], start, rows, other=jnp.inf)[:, None])
       do = _load(do_ref.at[q_slice, head, :], start, rows, r.head_dim_v)
@@ -434,14 +474,14 @@ def _dkv_kernel(st: _GpuCall, *refs):
       if keep is not None:
         dp = dp * keep
       dv = dv + _dot(st, pk.astype(do.dtype), do, ((0,), (0,)))
-      ds = _grad_logits(st, p, dp, _load(delta_ref.at[head, q_slice], start, rows), tanh_t)
+      ds = _grad_logits(st, p, dp, _load(delta_ref.at[head, q_slice], start, rows), chain)
       dk = dk + _dot(st, ds.astype(q.dtype), q, ((0,), (0,)))
       return dk, dv
 
     # Rows past kv_len of this block may hold junk in interior tiles (their keys are zeros, not
     # masked): each key's dK/dV row depends on its own column only, and those rows are not stored.
     return _walk(st, offsets_ref, table, kv_block, block_kv, r.kv_len, block_q, r.q_len, False,
-                 visit, carry, map_row=batch if st.has_segments else 0)
+                 visit, carry, map_row=batch if st.map_rows else 0)
 
   init = (jnp.zeros((block_kv, st.d_pad), jnp.float32), jnp.zeros((block_kv, st.dv_pad), jnp.float32))
   dk, dv = lax.fori_loop(0, st.group, per_head, init)
@@ -452,7 +492,7 @@ def _dkv_kernel(st: _GpuCall, *refs):
 def _dq_kernel(st: _GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
   offsets_ref, table, segs, refs = _split_refs(st, refs)
-  q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
+  operands, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
   r = st.request
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   q_block, bh = pl.program_id(0), pl.program_id(1)
@@ -474,18 +514,19 @@ def _dq_kernel(st: _GpuCall, *refs):
     kv_seg = _load(segs[1].at[kv_slice], start, rows) if segs else None
     k = _load(k_ref.at[kv_slice, :], start, rows, r.head_dim)
     positions = _positions(st, offsets_ref, q_block, kv_block, block_q, block_kv)
-    s2, tanh_t = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
-                              q_seg, kv_seg, _alibi(st, offsets_ref, head, positions))
+    s2, chain = _tile_logits(st, q, k, q_block, kv_block, block_q, block_kv, masked, offsets_ref,
+                             q_seg, kv_seg, _alibi(st, offsets_ref, head, positions),
+                             (batch, head, operands) if r.has_mods else None, grad=True)
     p = jnp.exp2(s2 - lse2[:, None])
     dp = _dot(st, do, _load(v_ref.at[kv_slice, :], start, rows, r.head_dim_v), ((1,), (1,)))
     keep = _keep(st, offsets_ref, batch, head, positions)
     if keep is not None:
       dp = dp * keep
-    ds = _grad_logits(st, p, dp, delta, tanh_t)
+    ds = _grad_logits(st, p, dp, delta, chain)
     return dq + _dot(st, ds.astype(k.dtype), k, ((1,), (0,)))
 
   dq = _walk(st, offsets_ref, table, q_block, block_q, r.q_len, block_kv, r.kv_len, True, visit,
-             jnp.zeros((block_q, st.d_pad), jnp.float32), map_row=batch if st.has_segments else 0)
+             jnp.zeros((block_q, st.d_pad), jnp.float32), map_row=batch if st.map_rows else 0)
   _store(dq_ref, (dq * r.scale).astype(dq_ref.dtype), q_start, q_rows, r.head_dim)
 
 
@@ -503,7 +544,7 @@ def _visible_pairs(st: _GpuCall, batch: int) -> int:
   return batch * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec)
 
 
-def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, *, by_q: bool, block_q: int, block_kv: int,
+def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block_q: int, block_kv: int,
                  heads: int):
   """Inputs and BlockSpecs shared by the three kernels: offsets, block lists, segment ids.
 
@@ -515,10 +556,23 @@ def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, *, by_q: bool, block_q: i
   """
   whole = lambda x: pl.BlockSpec(x.shape, lambda i, j: (0,) * x.ndim)  # noqa: E731
   arrays = [offsets]
+  r = st.request
+  ops, prebuilt = ops  # flat operands; a block_mask's tile flags or None
   if not st.arithmetic:
-    r = st.request
+    tiles = None
+    if r.mask_mod is not None:  # the tiles it leaves empty leave the lists; full ones skip the mask
+      nq, nk = -(-r.q_len // block_q), -(-r.kv_len // block_kv)
+      if prebuilt is not None and (block_q, block_kv) == r.block_mask_tiles:  # built once, every layer
+        shows, fills = prebuilt
+      else:
+        shows, fills = mods.tile_flags(
+            r.mask_mod, kernel_mods.unflatten(ops, st.operands), batch=r.batch,
+            heads=range(r.num_heads), batch_offset=0, q_offset=offsets[kernel_table.Q_OFFSET],
+            kv_offset=offsets[kernel_table.KV_OFFSET], q_len=r.q_len, kv_len=r.kv_len, block_q=block_q,
+            block_kv=block_kv, num_q_blocks=nq, num_kv_blocks=nk)
+      tiles = tuple(jnp.broadcast_to(x, (r.batch, nq, nk)) for x in (shows, fills))  # a map row per row
     bmap = masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
-                           offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET])
+                           offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET], tiles=tiles)
     if by_q:
       index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
     else:
@@ -534,17 +588,19 @@ def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, *, by_q: bool, block_q: i
     else:  # program (kv block, b * kv heads): the whole q row, its kv ids
       specs += [pl.BlockSpec((None, q_ext), lambda i, j: (j // heads, 0)),
                 pl.BlockSpec((None, block_kv), lambda i, j: (j // heads, i))]
-  return arrays, specs
+  # Mod operands, flat and whole (a power of two long, as Triton's blocks must be).
+  padded = [jnp.pad(x, (0, pl.next_power_of_2(x.size) - x.size)) for x in ops]
+  return arrays + padded, specs + [whole(x) for x in padded]
 
 
-def _forward_call(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets):
+def _forward_call(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, ops):
   r = st.request
   batch = q.shape[0]
   h, g = r.num_heads, st.group
   cfg = st.cfg
   num_q_blocks = -(-r.q_len // cfg.block_q)
   kv_ext = round_up(r.kv_len, cfg.block_kv)  # the whole-row K/V block: a block multiple
-  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, by_q=True, block_q=cfg.block_q,
+  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, ops, by_q=True, block_q=cfg.block_q,
                                block_kv=cfg.block_kv, heads=h)
   specs += [
       pl.BlockSpec((None, cfg.block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
@@ -570,7 +626,7 @@ def _forward_call(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets):
   )(*arrays, q, k, v)
 
 
-def _backward_calls(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, do, lse2, delta):
+def _backward_calls(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, ops, do, lse2, delta):
   r = st.request
   batch = q.shape[0]
   h, kvh, g = r.num_heads, r.num_kv_heads, st.group
@@ -584,7 +640,7 @@ def _backward_calls(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, do, lse2, del
   io_bytes = int(sum(x.size * x.dtype.itemsize for x in (q, k, v, do)) * 2)
 
   # dK/dV: program (kv block, b * kv head); Q, dO, lse, D of the group's heads stay whole.
-  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, by_q=False, block_q=block_q,
+  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, ops, by_q=False, block_q=block_q,
                                block_kv=block_kv, heads=kvh)
   specs += [
       pl.BlockSpec((None, q_ext, g, st.d_pad), lambda i, j: (j // kvh, 0, j % kvh, 0)),
@@ -609,7 +665,7 @@ def _backward_calls(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, do, lse2, del
   )(*arrays, q, k, v, do, lse2, delta)
 
   # dQ: program (q block, b * head), looping over visible kv blocks like the forward.
-  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, by_q=True, block_q=block_q,
+  arrays, specs = _mask_inputs(st, offsets, q_seg, kv_seg, ops, by_q=True, block_q=block_q,
                                block_kv=block_kv, heads=h)
   specs += [
       pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
@@ -637,51 +693,59 @@ def _backward_calls(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, do, lse2, del
 # ----------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets):
-  return _flash_forward(st, q, k, v, q_seg, kv_seg, offsets)[0]
+def _flash(st: _GpuCall, q, k, v, q_seg, kv_seg, offsets, ops):
+  return _flash_forward(st, q, k, v, q_seg, kv_seg, offsets, ops)[0]
 
 
-def _flash_forward(st, q, k, v, q_seg, kv_seg, offsets):
-  out, lse = _forward_call(st, q, k, v, q_seg, kv_seg, offsets)
-  return (out, lse), (q, k, v, q_seg, kv_seg, offsets, out, lse)
+def _flash_forward(st, q, k, v, q_seg, kv_seg, offsets, ops):
+  out, lse = _forward_call(st, q, k, v, q_seg, kv_seg, offsets, ops)
+  return (out, lse), (q, k, v, q_seg, kv_seg, offsets, ops, out, lse)
 
 
 def _flash_backward(st, residuals, cotangents):
-  q, k, v, q_seg, kv_seg, offsets, out, lse = residuals
+  q, k, v, q_seg, kv_seg, offsets, ops, out, lse = residuals
   d_out, d_lse = cotangents
   # D_i = rowsum(dO * O)_i - dlse_i: lse's own cotangent enters dS = P * (dP - D) here.
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32),
                      precision=st.request.precision)
   delta = delta - d_lse
-  return (*_backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out),
-          None, None, None)
+  # The operands: a mask_mod's have no gradient; a score_mod with floating ones never gets here
+  # (FlashPallas.unsupported: "score_mod operand gradients"). The tile flags are booleans.
+  flat, prebuilt = ops
+  return (*_backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out),
+          None, None, None, (tuple(None for _ in flat), None if prebuilt is None else (None, None)))
 
 
-def _backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out):
+def _backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out):
   """dq, dk, dv from the rows' lse and delta [b, h, q] (unpadded [b, len, h, d] arrays)."""
   # Base-2 lse for the kernels; +inf for rows that see no key, so P = 0 there.
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
-  return _backward_calls(st, q, k, v, q_seg, kv_seg, offsets, d_out.astype(q.dtype), lse2, delta)
+  return _backward_calls(st, q, k, v, q_seg, kv_seg, offsets, ops, d_out.astype(q.dtype), lse2, delta)
 
 
 _flash.defvjp(_flash_forward, _flash_backward)
 
 
 def _prepare(request: Request, args: Args, interpret: bool, batch: int):
-  st = _GpuCall(request=request, cfg=gpu_config.config(request), interpret=bool(interpret))
-  return st, kernel_table.build(request, args, batch)  # offsets, slopes, streams (kernel_table)
+  ops, metas = kernel_mods.flatten(args.mod_operands)
+  st = _GpuCall(request=request, cfg=gpu_config.config(request), interpret=bool(interpret), operands=metas)
+  prebuilt = None  # a block_mask's tile flags, used where the kernel's tiles are the block mask's
+  if request.block_mask_tiles is not None and args.mod_tiles is not None:
+    prebuilt = tuple(args.mod_tiles)
+  # offsets, slopes, streams (kernel_table); the mods' inputs
+  return st, kernel_table.build(request, args, batch), (ops, prebuilt)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
   """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32); differentiable in q, k, v and through lse."""
-  st, offsets = _prepare(request, args, interpret, q.shape[0])
-  return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)
+  st, offsets, ops = _prepare(request, args, interpret, q.shape[0])
+  return _flash(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets, ops)
 
 
 def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Args,
                        interpret: bool):
   """(dq, dk, dv) from given row statistics lse, delta [b, h, q]: the backward kernels only
   (see the TPU family's `attention_backward`)."""
-  st, offsets = _prepare(request, args, interpret, q.shape[0])
-  return _backward_from_stats(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets,
+  st, offsets, ops = _prepare(request, args, interpret, q.shape[0])
+  return _backward_from_stats(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets, ops,
                               lse.astype(jnp.float32), delta.astype(jnp.float32), d_out)

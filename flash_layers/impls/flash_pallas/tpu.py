@@ -70,10 +70,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_layers import dropout, kernel_table, lowering, masks
+from flash_layers import dropout, kernel_table, lowering, masks, mods
 from flash_layers.alibi import alibi
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.flash_pallas import tpu_config
+from flash_layers.impls.flash_pallas import kernel_mods, tpu_config
 from flash_layers.impls.tiling import LANES, round_up
 
 # ----------------------------------------------------------------------------
@@ -86,6 +86,8 @@ def unsupported(request: Request) -> str | None:
   if request.has_bias:
     return "dense bias"
   words = max(tpu_config.plan_words(request, tiles) for tiles in tpu_config.blocks(request))
+  if request.mask_mod is not None:  # the plan's full-tile runs: two more words per outer block
+    words *= 2
   if words > tpu_config.MAX_PLAN_WORDS:
     return (f"a block plan of {words} int32 words (SMEM holds {tpu_config.MAX_PLAN_WORDS}; use "
             "larger block_sizes, fewer rows or ring attention)")
@@ -115,14 +117,20 @@ class _TpuCall:
   # stream.
   fwd_heads: int = 1
   dq_heads: int = 1
+  # mask_mod / score_mod operands (kernel_mods.flatten), scalar-prefetched after the plan tables.
+  operands: tuple[kernel_mods.Meta, ...] = ()
 
   @property
   def has_segments(self) -> bool:
     return self.request.has_segment_ids
 
   @property
-  def needs_positions(self) -> bool:  # every visited tile, full or not, hashes or biases positions
-    return self.request.has_alibi or self.request.has_dropout
+  def needs_positions(self) -> bool:  # every visited tile, full or not, hashes, biases or mods positions
+    return self.request.has_alibi or self.request.has_dropout or self.request.score_mod is not None
+
+  def mod_views(self, refs) -> tuple:
+    """The operands as a mod sees them inside a kernel (`kernel_mods.Operand`)."""
+    return kernel_mods.views(refs, self.operands, self.interpret, "a TPU (Mosaic) kernel")
 
 
 def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
@@ -132,21 +140,24 @@ def _config(request: Request, args: Args, interpret: bool) -> _TpuCall:
     offsets_static = (int(args.q_offset), int(args.kv_offset))
   token_major = request.head_dim % LANES == 0 and request.head_dim_v % LANES == 0
   fwd, fwd_heads = tpu_config.forward_tiles(request, fwd, token_major)
+  dq_heads = tpu_config.dq_tile_heads(request, bwd, token_major)
+  if request.has_mods:  # a mod may read the head: one query head per tile, its own element mask
+    fwd_heads = dq_heads = 1
   return _TpuCall(request=request, interpret=interpret, fwd=fwd, bwd=bwd,
                   static_offsets=offsets_static, token_major=token_major, fwd_heads=fwd_heads,
-                  dq_heads=tpu_config.dq_tile_heads(request, bwd, token_major))
+                  dq_heads=dq_heads, operands=kernel_mods.flatten(args.mod_operands)[1])
 
 
 def grid_steps(request: Request, args: Args) -> int | None:
   """Grid steps the forward kernel runs, over batch and heads (None when segment ids or
   offsets are traced: the grid is then sized at run time)."""
   if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids,
-                                                  args.q_offset, args.kv_offset)):
+                                                  args.q_offset, args.kv_offset, *args.mod_operands)):
     return None
   cfg = _config(request, args, interpret=True)
   offsets = jnp.asarray([args.q_offset, args.kv_offset], jnp.int32)
-  row_steps, _ = _plan(cfg, cfg.fwd, args.q_segment_ids, args.kv_segment_ids, offsets,
-                       kv_major=False)
+  row_steps, _, _ = _plan(cfg, cfg.fwd, args.q_segment_ids, args.kv_segment_ids, offsets,
+                          kv_major=False, operands=args.mod_operands)
   row_steps = np.asarray(row_steps)
   programs = request.batch * request.num_heads // cfg.fwd_heads  # one per (row, q tile's heads)
   return programs * row_steps.shape[-1] * int(row_steps.max())
@@ -186,7 +197,8 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
     return out.astype(q.dtype), lse
   cfg, q_pad, kv_pad, offsets = _prepare(request, args, interpret, q.shape[0])
   out, lse = _flash(cfg, _to_kernel(cfg, q, q_pad), _to_kernel(cfg, k, kv_pad),
-                    _to_kernel(cfg, v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets)
+                    _to_kernel(cfg, v, kv_pad), args.q_segment_ids, args.kv_segment_ids, offsets,
+                    kernel_mods.flatten(args.mod_operands)[0], _prebuilt(request, args))
   return _from_kernel(cfg, out, request.q_len, request.num_heads), lse[:, :, 0, :request.q_len]
 
 
@@ -206,10 +218,19 @@ def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Ar
   dq, dk, dv = _backward_from_stats(
       cfg, _to_kernel(cfg, q, q_pad), _to_kernel(cfg, k, kv_pad), _to_kernel(cfg, v, kv_pad),
       args.q_segment_ids, args.kv_segment_ids, offsets,
+      (kernel_mods.flatten(args.mod_operands)[0], _prebuilt(request, args)),
       _row_stat(lse, q_pad), _row_stat(delta, q_pad), _to_kernel(cfg, d_out.astype(q.dtype), q_pad))
   return (_from_kernel(cfg, dq, request.q_len, request.num_heads),
           _from_kernel(cfg, dk, request.kv_len, request.num_kv_heads),
           _from_kernel(cfg, dv, request.kv_len, request.num_kv_heads))
+
+
+def _prebuilt(request: Request, args: Args):
+  """A block_mask's (any, all) tile flags when the call was given one (`tpu_config.blocks` then takes its
+  tiles), else None: `_plan` builds them."""
+  if request.block_mask_tiles is None or args.mod_tiles is None:
+    return None
+  return tuple(args.mod_tiles)
 
 
 def _row_stat(x, length):  # [b, h, q] -> [b, h, 1, q_pad] float32
@@ -310,6 +331,8 @@ class _Grid:
   block_q: int
   block_kv: int
   tile_heads: int = 1
+  per_row: bool = False  # a plan per batch row (segment ids, or a mask_mod that reads the row)
+  plan_words: int = 2  # per outer block: (lo, count), and with a mask_mod its full run (lo, count)
 
   @property
   def num_outer(self) -> int:
@@ -331,11 +354,12 @@ class _Grid:
   def locate(self, ids, plan_ref) -> _Where:
     """Where grid point `ids` is. Plain scalar arithmetic: it runs in the index maps too."""
     batch, outer_head, row, step = ids[0], ids[1], ids[2], ids[3]
-    base = (batch if self.has_segments else 0) * self.num_outer
+    base = (batch if self.per_row else 0) * self.num_outer
     a, b = row, self.num_outer - 1 - row  # the row's two outer blocks (one for the middle row)
     has_b = b > a
-    lo_a, count_a = plan_ref[2 * (base + a)], plan_ref[2 * (base + a) + 1]
-    lo_b, count_b = plan_ref[2 * (base + b)], plan_ref[2 * (base + b) + 1]
+    w = self.plan_words
+    lo_a, count_a = plan_ref[w * (base + a)], plan_ref[w * (base + a) + 1]
+    lo_b, count_b = plan_ref[w * (base + b)], plan_ref[w * (base + b) + 1]
     # Every outer block takes at least one step, even with nothing visible: its output (zeros,
     # lse -inf; or zero dK/dV) is written there.
     steps_a = jnp.maximum(count_a, 1)
@@ -383,7 +407,7 @@ class _Grid:
     return [self._spec((None, 1, self.block_q), lambda b, h, kh, qb, kb: (b, 0, qb)),
             self._spec((None, 1, self.block_kv), lambda b, h, kh, qb, kb: (b, 0, kb))]
 
-  def _tile_visibility(self, cfg: _TpuCall, offsets_ref, tiles_ref, w: _Where):
+  def _tile_visibility(self, cfg: _TpuCall, offsets_ref, plan_ref, tiles_ref, w: _Where):
     """(visible, full) of this step's tile, from SMEM scalars (`masks.tile_visibility`)."""
     bq, bk = self.block_q, self.block_kv
     q_first = offsets_ref[kernel_table.Q_OFFSET] + w.q_block * bq
@@ -398,6 +422,11 @@ class _Grid:
       kv_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
     visible, full = masks.tile_visibility(q_first, q_last, kv_first, kv_last, cfg.request.spec, q_info,
                                           kv_info)
+    if self.plan_words == 4:  # a mask_mod: full only inside the outer block's run of full tiles
+      outer, inner = (w.kv_block, w.q_block) if self.kv_major else (w.q_block, w.kv_block)
+      at = 4 * ((w.batch if self.per_row else 0) * self.num_outer + outer)
+      run_lo, run_count = plan_ref[at + 2], plan_ref[at + 3]
+      full = full & (inner >= run_lo) & (inner < run_lo + run_count)
     # A tile holding padded tail positions needs the element mask for the tail.
     if cfg.request.q_len % bq:
       full = full & (w.q_block != self.num_q - 1)
@@ -409,7 +438,7 @@ class _Grid:
     """Inside a kernel: where this grid step is and what it does."""
     ids = [pl.program_id(axis) for axis in range(self.ndim)]
     w = self.locate(ids, plan_ref)
-    visible, full = self._tile_visibility(cfg, offsets_ref, tiles_ref, w)
+    visible, full = self._tile_visibility(cfg, offsets_ref, plan_ref, tiles_ref, w)
     first = w.first
     last = w.switch | (ids[3] == pl.num_programs(3) - 1)
     if self.kv_major:  # the group's heads are the innermost axis
@@ -437,32 +466,62 @@ def _row_steps(count, xp):
   return steps[..., :rows] + xp.where(paired, steps[..., ::-1][..., :rows], 0)
 
 
-def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool):
-  """(steps per row, flat plan table) for one kernel's tiles.
+def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool, operands=(), prebuilt=None):
+  """(steps per row, flat plan table, whether it has a row per batch row) for one kernel's tiles.
 
-  With no segment ids and offsets known while tracing, the plan is NumPy and the grid is static;
-  otherwise plain JAX, and the number of steps a traced scalar.
+  With no segment ids, no mask_mod and offsets known while tracing, the plan is NumPy and the grid
+  is static; otherwise plain JAX, and the number of steps a traced scalar. With a mask_mod
+  (`operands`: its mod_operands) the tiles it leaves empty leave the ranges, and each outer block
+  also records the run of tiles it fills (`_full_runs`): 4 words per outer block.
   """
   block_q, block_kv = blocks
-  if not cfg.has_segments and cfg.static_offsets is not None:
+  r = cfg.request
+  if not cfg.has_segments and cfg.static_offsets is not None and r.mask_mod is None:
     xp, seg, offs = np, (None, None), cfg.static_offsets
   else:
     xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET])
-  r = cfg.request
-  visible, _ = masks.block_visibility(r.q_len, r.kv_len, block_q, block_kv, r.spec, *seg, *offs,
-                                      xp=xp)
+  visible, full = masks.block_visibility(r.q_len, r.kv_len, block_q, block_kv, r.spec, *seg, *offs,
+                                         xp=xp)
+  if r.mask_mod is not None:
+    if prebuilt is not None:  # a block_mask's flags, built once for every layer
+      shows, fills = prebuilt
+    else:
+      shows, fills = mods.tile_flags(r.mask_mod, tuple(operands), batch=r.batch, heads=np.arange(r.num_heads),
+                                     batch_offset=0, q_offset=offs[0], kv_offset=offs[1], q_len=r.q_len,
+                                     kv_len=r.kv_len, block_q=block_q, block_kv=block_kv,
+                                     num_q_blocks=visible.shape[1], num_kv_blocks=visible.shape[2])
+    visible, full = visible & shows, full & fills
   if kv_major:
-    visible = xp.swapaxes(visible, 1, 2)
+    visible, full = xp.swapaxes(visible, 1, 2), xp.swapaxes(full, 1, 2)
   lo, count = _row_ranges(visible, xp)
-  plan = xp.stack([lo, count], axis=-1).reshape(-1).astype(xp.int32)
-  return _row_steps(count, xp), plan
+  words = [lo, count]
+  if r.mask_mod is not None:
+    words += list(_full_runs(full))
+  plan = xp.stack(words, axis=-1).reshape(-1).astype(xp.int32)
+  return _row_steps(count, xp), plan, visible.shape[0] > 1
 
 
-def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool,
-          tile_heads: int = 1):
-  """The grid of one kernel, its number of steps per row and its SMEM tables (plan, tiles)."""
+def _full_runs(full):
+  """Per outer block (rows of ``full [b, outer, inner]``): (first full inner block, length of the run of
+  full blocks from it). The kernels skip the element mask inside that run only: exact for the masks whose
+  full tiles per block are contiguous (causal, windows, prefix-LM, chunked causal), a subset otherwise."""
+  n = full.shape[-1]
+  first = jnp.argmax(full, axis=-1)
+  after = jnp.arange(n) >= first[..., None]
+  run = after & (jnp.cumsum(after & ~full, axis=-1) == 0)
+  return first.astype(jnp.int32), jnp.where(full.any(axis=-1), run.sum(-1), 0).astype(jnp.int32)
+
+
+def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, mod_inputs=((), None), *,
+          kv_major: bool, tile_heads: int = 1):
+  """The grid of one kernel, its number of steps per row and its SMEM tables (plan, tiles, then the
+  flat mod operands). `mod_inputs`: (flat operands, a block_mask's tile flags or None)."""
   block_q, block_kv = blocks
-  row_steps, plan = _plan(cfg, blocks, q_seg, kv_seg, offsets, kv_major=kv_major)
+  ops, prebuilt = mod_inputs
+  if prebuilt is not None and blocks != cfg.request.block_mask_tiles:
+    prebuilt = None  # tiles of their own (block_sizes given): the flags are built for them
+  row_steps, plan, per_row = _plan(cfg, blocks, q_seg, kv_seg, offsets, kv_major=kv_major,
+                                   operands=kernel_mods.unflatten(ops, cfg.operands), prebuilt=prebuilt)
   steps = row_steps.max()
   steps = int(steps) if not isinstance(steps, jax.core.Tracer) else steps.astype(jnp.int32)
   r = cfg.request
@@ -474,8 +533,9 @@ def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, *, kv_major: bool
     tiles = jnp.zeros((1,), jnp.int32)
   grid = _Grid(kv_major, cfg.has_segments, cfg.token_major, q.shape[0], r.num_heads,
                r.num_heads // r.num_kv_heads, -(-r.q_len // block_q), -(-r.kv_len // block_kv),
-               block_q, block_kv, tile_heads)
-  return grid, steps, (jnp.asarray(plan), tiles.astype(jnp.int32))
+               block_q, block_kv, tile_heads, per_row=bool(per_row),
+               plan_words=4 if r.mask_mod is not None else 2)
+  return grid, steps, (jnp.asarray(plan), tiles.astype(jnp.int32), *ops)
 
 
 def _call(kernel, name: str, cfg: _TpuCall, grid: _Grid, steps, tables, inputs, in_specs,
@@ -522,9 +582,25 @@ def _tile(offsets_ref, step: _Step, shape, q_axis) -> _Tile:
                offsets_ref[kernel_table.KV_OFFSET] + kv_local)
 
 
-def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg):
-  """The element mask of one tile."""
+class _Mod(NamedTuple):
+  """What a mod reads in one tile: its indices (the program's batch row and query head, the tile's
+  global positions; mods are refused on a mesh, so local = global) and the operands' views."""
+
+  idx: mods.Indices
+  operands: tuple
+
+
+def _mod(cfg: _TpuCall, operands: tuple, batch, head, tile: _Tile | None) -> _Mod | None:
+  if not cfg.request.has_mods or tile is None:
+    return None
+  return _Mod(mods.Indices(batch, head, tile.q_pos, tile.kv_pos), operands)
+
+
+def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg, mod: _Mod | None = None):
+  """The element mask of one tile: the built-in rules, AND the mask_mod's verdict."""
   ok = masks.visible(tile.q_pos, tile.kv_pos, cfg.request.spec, q_seg, kv_seg)
+  if cfg.request.mask_mod is not None:
+    ok = ok & mods.mask(cfg.request.mask_mod, mod.idx, mod.operands)
   # Padded tail positions see nothing and are seen by nothing (q_len % block_q etc. may be != 0).
   return ok & (tile.q_local < cfg.request.q_len) & (tile.kv_local < cfg.request.kv_len)
 
@@ -589,7 +665,9 @@ def _unit(cfg: _TpuCall) -> float:
   """What the logits (scale * q.k + alibi) are multiplied by before `_logits` returns or caps
   them: base 2 (log2 e; the softmax runs on exp2) without a softcap; with one, whose tanh needs
   natural units, 1 / softcap (`_logits` then multiplies the tanh by softcap * log2 e: one multiply
-  where there were three)."""
+  where there were three). A score_mod reads the logits themselves: 1."""
+  if cfg.request.score_mod is not None:
+    return 1.0
   return LOG2E if cfg.request.softcap is None else 1.0 / cfg.request.softcap
 
 
@@ -610,17 +688,33 @@ def _folded(cfg: _TpuCall, x):
   return (x.astype(jnp.float32) * _fold(cfg)).astype(x.dtype)
 
 
-def _logits(cfg: _TpuCall, a, b, alibi=None):
-  """The base-2 logits log2(e) * cap(scale * q.k + alibi) of a tile, in float32, from `_folded`
-  operands (``a @ b^T``) and an `_alibi` in the same units; also returns the tanh for the softcap
-  gradient (d cap / dx = 1 - tanh^2), or None."""
+def _logits(cfg: _TpuCall, a, b, alibi=None, mod: _Mod | None = None, grad: bool = False):
+  """(s2, chain): the base-2 logits log2(e) * cap(score_mod(scale * q.k + alibi)) of a tile, in float32,
+  from `_folded` operands (``a @ b^T``) and an `_alibi` in the same units; and, for the backward
+  (``grad``), the chain rule from the capped logits' gradient to the raw logits' (the softcap's
+  1 - tanh^2, then score_mod's derivative by `jax.vjp` of the elementwise mod), or None (identity)."""
   s = _dot(cfg, a, b, _NT)
   if alibi is not None:
     s = s + alibi
-  if cfg.request.softcap is None:
-    return s, None
-  capped = jnp.tanh(s)
-  return (cfg.request.softcap * LOG2E) * capped, capped
+  r = cfg.request
+  if r.score_mod is None:
+    if r.softcap is None:
+      return s, None
+    capped = jnp.tanh(s)
+    return (r.softcap * LOG2E) * capped, lambda ds: ds * (1.0 - capped * capped)
+  # `_unit` is 1 with a score_mod: s holds the natural logits it rewrites.
+  def rewrite(x):
+    return mods.score(r.score_mod, x, mod.idx, mod.operands)
+
+  if grad:
+    y, score_vjp = jax.vjp(rewrite, s)
+  else:
+    y, score_vjp = rewrite(s), None
+  if r.softcap is None:
+    return y * LOG2E, (lambda ds: score_vjp(ds)[0]) if grad else None
+  capped = jnp.tanh(y * (1.0 / r.softcap))
+  chain = (lambda ds: score_vjp(ds * (1.0 - capped * capped))[0]) if grad else None
+  return (r.softcap * LOG2E) * capped, chain
 
 
 def _cost(cfg: _TpuCall, b, h, per_pair_flops, nbytes):
@@ -642,6 +736,7 @@ def _nbytes(*arrays):
 # ----------------------------------------------------------------------------
 
 def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
+  operands, refs = cfg.mod_views(refs[:len(cfg.operands)]), refs[len(cfg.operands):]
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, q_seg_ref, kv_seg_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr, q_scr,
      q_seg_scr) = refs
@@ -671,9 +766,10 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
   def update(masked: bool):
     shape = (grid.block_q, grid.block_kv)
     tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
+    mod = _mod(cfg, operands, step.batch, step.head, tile)  # mods: one head per tile
     if masked:  # one element mask for every head of the tile
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      visible = _tile_visible(cfg, tile, *seg)
+      visible = _tile_visible(cfg, tile, *seg, mod)
 
     # The heads run in a loop, not unrolled: the body is compiled once whatever the group (an
     # unrolled body grew Mosaic's compile by ~4 s per head), and its refs are indexed only along
@@ -681,7 +777,7 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid
     # matmuls would read them anyway, rather than held live across the loop.
     def head_update(j, carry):
       head = step.head + j
-      s, _ = _logits(cfg, q_scr[j], k_ref[...], _alibi(cfg, offsets_ref, head, tile))
+      s, _ = _logits(cfg, q_scr[j], k_ref[...], _alibi(cfg, offsets_ref, head, tile), mod)
       if masked:
         s = jnp.where(visible, s, -jnp.inf)
       # Online softmax: with the new row max m', rescale what was summed under the old max m by
@@ -737,9 +833,9 @@ def _operand_shape(cfg: _TpuCall, b: int, h: int, length: int, d: int) -> tuple[
   return (b, length, h * d) if cfg.token_major else (b, h, length, d)
 
 
-def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
+def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, ops):
   b, h, q_pad, kv_pad, d, dv = _dims(cfg, q, k)
-  grid, steps, tables = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, kv_major=False,
+  grid, steps, tables = _grid(cfg, cfg.fwd, q, k, q_seg, kv_seg, offsets, ops, kv_major=False,
                               tile_heads=cfg.fwd_heads)
   block_q, heads = grid.block_q, grid.tile_heads
   inputs, in_specs = [q, k, v], [grid.q_tile(d), grid.kv_tile(d), grid.kv_tile(dv)]
@@ -767,6 +863,7 @@ def _forward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
 # ----------------------------------------------------------------------------
 
 def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
+  operands, refs = cfg.mod_views(refs[:len(cfg.operands)]), refs[len(cfg.operands):]
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dk_ref, dv_ref,
      dk_scr, dv_scr, kv_seg_scr) = refs
@@ -794,11 +891,12 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
     q, do = q_ref[...], do_ref[...]
     shape = (grid.block_kv, grid.block_q)
     tile = _tile(offsets_ref, step, shape, 1) if masked or cfg.needs_positions else None
-    s_t, capped = _logits(cfg, k_ref[...], _folded(cfg, q), _alibi(cfg, offsets_ref, step.head,
-                                                                    tile))
+    mod = _mod(cfg, operands, step.batch, step.head, tile)  # indices laid out as the [bk, bq] tile
+    s_t, chain = _logits(cfg, k_ref[...], _folded(cfg, q), _alibi(cfg, offsets_ref, step.head, tile),
+                         mod, grad=True)
     if masked:  # s_t: [bk, bq]
       seg = (q_seg_ref[...], kv_seg_scr[:, :1]) if cfg.has_segments else (None, None)
-      s_t = jnp.where(_tile_visible(cfg, tile, *seg), s_t, -jnp.inf)
+      s_t = jnp.where(_tile_visible(cfg, tile, *seg, mod), s_t, -jnp.inf)
     # lse is +inf for rows that see no key (set by the wrapper): their p is exactly 0.
     p_t = jnp.exp2(s_t - lse_ref[...])
     dp_t = _dot(cfg, v_ref[...], do, _NT)
@@ -810,8 +908,8 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
       dp_t = dp_t * keep
     dv_scr[...] += _dot(cfg, pk_t.astype(do.dtype), do, _NN)
     ds_t = p_t * (dp_t - delta_ref[...])
-    if capped is not None:  # d(c tanh(x / c)) / dx = 1 - tanh^2
-      ds_t = ds_t * (1.0 - capped * capped)
+    if chain is not None:  # softcap: d(c tanh(x / c)) / dx = 1 - tanh^2; score_mod: its derivative
+      ds_t = chain(ds_t)
     dk_scr[...] += _dot(cfg, ds_t.astype(q.dtype), q, _NN)
 
   _when_visited(step, update)
@@ -823,6 +921,7 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _G
 
 
 def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Grid):
+  operands, refs = cfg.mod_views(refs[:len(cfg.operands)]), refs[len(cfg.operands):]
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
      dq_scr, lse_scr, delta_scr, q_scr, do_scr, q_seg_scr) = refs
@@ -860,16 +959,17 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
   def update(masked: bool):
     shape = (grid.block_q, grid.block_kv)
     tile = _tile(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
+    mod = _mod(cfg, operands, step.batch, step.head, tile)  # mods: one head per tile
     if masked:  # one element mask for every head of the tile
       seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      visible = _tile_visible(cfg, tile, *seg)
+      visible = _tile_visible(cfg, tile, *seg, mod)
 
     # A loop, as in the forward (`_forward_kernel`): one compiled body, K and V read from their
     # VMEM tiles inside it.
     def head_update(j, carry):
       head = step.head + j
       k = k_ref[...]
-      s, capped = _logits(cfg, q_scr[j], k, _alibi(cfg, offsets_ref, head, tile))
+      s, chain = _logits(cfg, q_scr[j], k, _alibi(cfg, offsets_ref, head, tile), mod, grad=True)
       if masked:  # s: [bq, bk]
         s = jnp.where(visible, s, -jnp.inf)
       p = jnp.exp2(s - lse_scr[j][:, :1])
@@ -878,8 +978,8 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
       if keep is not None:
         dp = dp * keep
       ds = p * (dp - delta_scr[j][:, :1])
-      if capped is not None:
-        ds = ds * (1.0 - capped * capped)
+      if chain is not None:
+        ds = chain(ds)
       dq_scr[j] += _dot(cfg, ds.astype(k.dtype), k, _NN)
       return carry
 
@@ -896,7 +996,7 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: _TpuCall, grid: _Gr
       dq_ref[:, j * d:(j + 1) * d] = (dq_scr[j] * cfg.request.scale).astype(dq_ref.dtype)
 
 
-def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, reuse_do: bool):
+def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, do, reuse_do: bool):
   """dq, dk, dv. ``reuse_do``: dO is dead after this call (a VJP's cotangent), so the dQ kernel,
   which runs last and reads each dO tile only while it owns that q block, writes dQ into dO's
   buffer (input_output_aliases): one q-sized buffer less (at 8k tokens on v5e, the only HBM
@@ -914,7 +1014,7 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
             grid.q_row(), *(grid.segment_rows() if cfg.has_segments else [])]
 
   inputs = [q, k, v, do, lse, delta, *seg_inputs]
-  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=True)
+  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, ops, kv_major=True)
   block_q, block_kv = grid.block_q, grid.block_kv
   dk_dv_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
   dk, dv_ = _call(
@@ -925,7 +1025,7 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
       _cost(cfg, b, h, 4 * cfg.request.head_dim + 4 * cfg.request.head_dim_v,
             _nbytes(k, v, *dk_dv_shape) + _nbytes(q, do, lse, delta) * grid.num_outer))
 
-  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, kv_major=False,
+  grid, steps, tables = _grid(cfg, cfg.bwd, q, k, q_seg, kv_seg, offsets, ops, kv_major=False,
                               tile_heads=cfg.dq_heads)
   block_q, heads = grid.block_q, grid.tile_heads
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
@@ -951,26 +1051,30 @@ def _backward(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, do, re
 # ----------------------------------------------------------------------------
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _flash(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
-  return _forward(cfg, q, k, v, q_seg, kv_seg, offsets)
+def _flash(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, prebuilt):
+  return _forward(cfg, q, k, v, q_seg, kv_seg, offsets, (ops, prebuilt))
 
 
-def _flash_fwd(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets):
-  out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, offsets)
-  return (out, lse), (q, k, v, q_seg, kv_seg, offsets, out, lse)
+def _flash_fwd(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, prebuilt):
+  out, lse = _forward(cfg, q, k, v, q_seg, kv_seg, offsets, (ops, prebuilt))
+  return (out, lse), (q, k, v, q_seg, kv_seg, offsets, (ops, prebuilt), out, lse)
 
 
 def _flash_bwd(cfg: _TpuCall, residuals, cotangents):
-  q, k, v, q_seg, kv_seg, offsets, out, lse = residuals
+  q, k, v, q_seg, kv_seg, offsets, ops, out, lse = residuals
   d_out, d_lse = cotangents
   # Rows past q_len get a zero cotangent (the wrapper slices them off), but they may lie in a
   # backward block beyond the forward grid (block sizes differ), where out and lse were never
   # written: give them lse = +inf and D = 0, so p = 0 there, never NaN. Rows that see no key get
   # lse = +inf too (p = exp(s - inf) = 0, never exp(+inf)).
   delta = _row_delta(cfg, out, d_out) - d_lse
-  dq, dk, dv = _backward_from_stats(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out,
+  dq, dk, dv = _backward_from_stats(cfg, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out,
                                     reuse_do=True)
-  return dq, dk, dv, None, None, None
+  # The operands: a mask_mod's have no gradient; a score_mod with floating ones never gets here
+  # (FlashPallas.unsupported: "score_mod operand gradients"). The tile flags are booleans.
+  flat, prebuilt = ops
+  return (dq, dk, dv, None, None, None, tuple(None for _ in flat),
+          None if prebuilt is None else tuple(None for _ in prebuilt))
 
 
 def _delta_kernel(o_ref, do_ref, delta_ref):
@@ -1003,7 +1107,7 @@ def _row_delta(cfg: _TpuCall, out, d_out):
   )(out, d_out)
 
 
-def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out,
+def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out,
                          reuse_do: bool = False):
   """The backward kernels on padded kernel-layout arrays; lse, delta [b, h, 1, q_pad].
 
@@ -1013,7 +1117,7 @@ def _backward_from_stats(cfg: _TpuCall, q, k, v, q_seg, kv_seg, offsets, lse, de
   real = (jnp.arange(lse.shape[-1]) < cfg.request.q_len)[None, None, None, :]
   delta = jnp.where(real, delta, 0.0)
   lse = jnp.where(real & (lse > -jnp.inf), lse * LOG2E, jnp.inf)
-  return _backward(cfg, q, k, v, q_seg, kv_seg, offsets, lse, delta, d_out, reuse_do)
+  return _backward(cfg, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out, reuse_do)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)

@@ -125,6 +125,11 @@ def blocks(request: Request) -> tuple[tuple[int, int], tuple[int, int]]:
   # GPU family (flash_layers.GpuBlockSizes) leave the TPU family on its defaults.
   if sizes is None or isinstance(sizes, (GpuBlockSizes, CpuBlockSizes)):
     sizes = default_block_sizes(tpu_generation())
+    tiles = request.block_mask_tiles
+    if tiles is not None and all(t % LANES == 0 for t in tiles):
+      # A prebuilt block_mask (fl.block_mask) was made for these tiles: the kernels take them, so its
+      # flags serve every kernel of every layer instead of being rebuilt per call.
+      sizes = BlockSizes(*tiles, *tiles)
   elif not isinstance(sizes, BlockSizes):
     raise TypeError("block_sizes must be flash_layers.BlockSizes (TPU), flash_layers.GpuBlockSizes "
                     f"(GPU) or None; got {sizes!r}")
