@@ -577,7 +577,14 @@ def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block
       index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
     else:
       index, count, full = bmap.q_index, bmap.q_count, jnp.swapaxes(bmap.full, 1, 2)
-    arrays += [index, count, jnp.take_along_axis(full, index, axis=-1).astype(jnp.int32)]
+    full = jnp.take_along_axis(full, index, axis=-1)
+    # Full blocks first, then the others, each in ascending order: the order `_visit_ranges` walks an
+    # arithmetic range in (interior, then edges), so a mask_mod equal to a built-in rule sums the online
+    # softmax in the same order and gives the same bits.
+    listed = jnp.arange(index.shape[-1]) < count[..., None]
+    order = jnp.argsort(jnp.where(listed, jnp.where(full, 0, 1), 2), axis=-1, stable=True)
+    index, full = (jnp.take_along_axis(x, order, axis=-1) for x in (index, full))
+    arrays += [index, count, full.astype(jnp.int32)]
   specs = [whole(x) for x in arrays]
   if st.has_segments:
     arrays += [q_seg, kv_seg]
