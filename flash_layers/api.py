@@ -80,11 +80,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       global int32 indices (broadcastable arrays): the key is visible only where it is True (and the
       built-in rules allow it). Tiles it hides entirely are skipped. `flash_layers.masks` has named
       ones (causal, sliding window, document, prefix-LM, chunked causal, ...). Not served by
-      flash_pallas or jax_splash yet (UnsupportedError names the impls that serve it).
+      jax_splash (UnsupportedError names the impls that serve it); flash_pallas's kernels evaluate it
+      on their partial tiles, lowered for a TPU or GPU only when it reads operands by scalar index.
     score_mod: ``(score, b, h, q_idx, kv_idx, *mod_operands) -> score``, elementwise, rewrites each
       float32 logit (e.g. a T5 relative-position bias read from a table operand). Differentiable in
       the score and in the floating-point mod_operands. Served by reference, xla_dense and
-      xla_chunked.
+      xla_chunked; by flash_pallas when its operands are not floating point (no operand gradients
+      in the kernels).
     mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/mods.py).
       Gradients reach the floating-point ones.
     q_offset, kv_offset: int positions of query row 0 and key row 0 in one sequence (default 0):
