@@ -338,7 +338,8 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
       has_dense_mask=dense_mask is not None, block_sizes=block_sizes, dropout_rate=rate,
       dropout_broadcast=broadcast, has_alibi=slopes is not None, has_bias=bias is not None,
       precision=precision, mask_mod=mask_mod, score_mod=score_mod, block_mask_tiles=tiles,
-      mod_operand_dtypes=tuple(jnp.dtype(x.dtype).name for x in operands))
+      mod_operand_dtypes=tuple(jnp.dtype(x.dtype).name for x in operands),
+      mod_operand_words=sum(int(np.prod(x.shape)) for x in operands))
   return request, Args(q_seg, kv_seg, q_offset, kv_offset, dense_mask, dropout_seed=seed,
                        alibi_slopes=slopes, bias=bias, mod_operands=operands, mod_tiles=mod_tiles)
 

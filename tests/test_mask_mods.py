@@ -107,6 +107,10 @@ def test_impls_refuse_what_they_cannot_serve_by_name_and_say_who_serves_it():
       fl.attention(q, k, v, impl="flash_pallas", score_mod=relative_bias, mod_operands=(table,))
   with pytest.raises(fl.UnsupportedError, match="xla_native.*score_mod"):
     fl.attention(q, k, v, impl="xla_native", score_mod=lambda s, *_: s)
+  # The TPU kernels hold the operands in scalar memory, beside the block plan.
+  with fl.interpret_as("tpu"), pytest.raises(fl.UnsupportedError, match=r"mod_operands of 200000 elements"):
+    fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.prefix_lm(operand=0),
+                 mod_operands=(np.zeros(200_000, np.int32),))
   # "auto" for a TPU runs a mask_mod in our kernel, a learned score_mod table in the chunked impl.
   from flash_layers import dispatch
   for options, impl in ((dict(mask_mod=fl.masks.causal()), "flash_pallas"),

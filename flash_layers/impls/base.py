@@ -97,6 +97,7 @@ class Request:
   block_mask_tiles: tuple[int, int] | None = None
   # The dtypes of mod_operands (names): whether a score_mod's operands take gradients (the floating ones).
   mod_operand_dtypes: tuple[str, ...] = ()
+  mod_operand_words: int = 0  # their elements, all together (a TPU kernel holds them in SMEM)
 
   @property
   def has_mods(self) -> bool:

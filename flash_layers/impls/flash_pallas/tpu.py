@@ -88,6 +88,9 @@ def unsupported(request: Request) -> str | None:
   words = max(tpu_config.plan_words(request, tiles) for tiles in tpu_config.blocks(request))
   if request.mask_mod is not None:  # the plan's full-tile runs: two more words per outer block
     words *= 2
+  if request.has_mods and words + request.mod_operand_words > tpu_config.MAX_PLAN_WORDS:
+    return (f"mod_operands of {request.mod_operand_words} elements, with a block plan of {words} words "
+            f"(SMEM holds {tpu_config.MAX_PLAN_WORDS} int32 words for both)")
   if words > tpu_config.MAX_PLAN_WORDS:
     return (f"a block plan of {words} int32 words (SMEM holds {tpu_config.MAX_PLAN_WORDS}; use "
             "larger block_sizes, fewer rows or ring attention)")
