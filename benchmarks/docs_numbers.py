@@ -196,6 +196,10 @@ REGISTRY: dict[str, Number] = {
                                ("flax_ms", "flax.cpu_ms", ".1f"))},
     **{f"decode.prev.{n}.ratio_cpu":
        Number("decode-cpu-2026-12-04.json", f"rows.[cache_len={n}].ratio_cpu", ".2f") for n in (2048, 8192)},
+    # The forward kernel's executed grid points for mask_mods at 32k (benchmarks/tpu_grid.py --mods).
+    **{f"gridmods.{name}.{what}": Number("tpu-grid-mods-v5e-32k-2026-12-04.json",
+                                         f"rows.[mask_mod={name}].{what}", ",d")
+       for name in ("prefix_lm", "chunked_causal") for what in ("executed_points", "visible_tiles")},
     # One decoding step compiled for TPUs (benchmarks/decode_aot.py): temporaries by cache layout.
     "decode.aot.cache_mib": Number(_DECODE_AOT, "problem.one_cache_tensor_mib", ".1f"),
     **{f"decode.aot.{gen}.{layout}_temp_mib":

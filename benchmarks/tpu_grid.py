@@ -9,6 +9,12 @@ with the kernels stubbed out) and counts, in NumPy from each query's interval of
 from `flash_layers.masks`), the tiles holding at least one visible (query, key) pair. Masks: causal,
 a window (512, 0), 16 packed documents of 2,048 tokens, and the same with the last 1,000 tokens
 padding (segment id 0). `tests/test_tpu_grid.py` asserts the same counts.
+
+    python -m benchmarks.tpu_grid --mods --json benchmarks/results/tpu-grid-mods-v5e-32k.json
+
+counts instead the grid points the forward kernel really executes for a mask_mod -- prefix-LM (5,000
+bidirectional keys) and chunked causal (chunks of 8,192) -- with the TPU interpreter's grid-point recorder
+(the kernel runs, interpreted, on zeros), against the tiles holding a visible pair.
 """
 
 from __future__ import annotations
@@ -134,6 +140,47 @@ def measure(mask: str, block_sizes, t: int = T) -> dict:
   return row
 
 
+MOD_MASKS = ("prefix_lm", "chunked_causal")
+
+
+def mod_intervals(name: str, t: int = T) -> tuple[np.ndarray, np.ndarray]:
+  """Per query, the first and last key a mod mask shows (an interval for both)."""
+  i = np.arange(t)
+  if name == "prefix_lm":
+    return np.zeros(t, np.int64), np.maximum(i, 4999)
+  return i // 8192 * 8192, i
+
+
+def interval_tiles(lo: np.ndarray, hi: np.ndarray, block_q: int, block_kv: int) -> int:
+  t = lo.shape[0]
+  kv_first = np.arange(t // block_kv)[None, :] * block_kv
+  touches = (lo[:, None] <= kv_first + block_kv - 1) & (hi[:, None] >= kv_first)
+  return int(touches.reshape(t // block_q, block_q, -1).any(axis=1).sum())
+
+
+def executed_points(name: str, block_sizes, t: int = T) -> int:
+  """Grid points the forward kernel executes for mask_mod `name` (the TPU interpreter's recorder)."""
+  import jax
+  import jax.numpy as jnp
+  from jax.experimental.pallas import tpu as pltpu
+
+  import flash_layers as fl
+
+  mask_mod, operands = ((fl.masks.prefix_lm(operand=0), (np.array([5000], np.int32),))
+                        if name == "prefix_lm" else (fl.masks.chunked_causal(8192), None))
+  points = []
+
+  def record(token, grid_point, core):
+    points.append(tuple(int(c) for c in grid_point))
+    return token
+
+  x = jnp.zeros((1, t, 1, 128), jnp.bfloat16)
+  with fl.interpret_as("tpu", params=pltpu.InterpretParams(grid_point_recorder=record)):
+    jax.block_until_ready(fl.attention(x, x, x, impl="flash_pallas", mask_mod=mask_mod,
+                                       mod_operands=operands, block_sizes=block_sizes))
+  return len(points)
+
+
 def host() -> str:
   """This machine in words, for a results file: "2-core AMD EPYC VM, CPU only"."""
   return f"{os.cpu_count()}-core {cpu_dense.cpu_model()} VM, CPU only"
@@ -147,7 +194,26 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--generation", default="v5e", choices=sorted(tpu_config.DEFAULT_BLOCK_SIZES))
   parser.add_argument("--masks", default=",".join(MASKS), help=f"comma-separated, of {', '.join(MASKS)}")
   parser.add_argument("--json", metavar="PATH", help="write the rows, with the date, as JSON")
+  parser.add_argument("--mods", action="store_true",
+                      help="count the forward's executed grid points for mask_mods instead")
   args = parser.parse_args(argv)
+  if args.mods:
+    blocks = tpu_config.default_block_sizes(args.generation)
+    rows = []
+    for name in MOD_MASKS:
+      points = executed_points(name, blocks)
+      tiles = interval_tiles(*mod_intervals(name), blocks.block_q, blocks.block_kv)
+      rows.append({"mask_mod": name, "executed_points": points, "visible_tiles": tiles,
+                   "full_grid": (T // blocks.block_q) * (T // blocks.block_kv)})
+      print(f"{name}: {points:,} grid points executed for {tiles:,} visible tiles "
+            f"(full grid {rows[-1]['full_grid']:,})", flush=True)
+    if args.json:
+      command = "python -m benchmarks.tpu_grid " + " ".join(argv if argv is not None else sys.argv[1:])
+      out = {"date": datetime.date.today().isoformat(), "hardware": host(), "command": command,
+             "generation": args.generation, "seq_len": T, "block_sizes": str(blocks), "rows": rows}
+      with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+    return 0
   masks = [m for m in args.masks.split(",") if m]
   if bad := [m for m in masks if m not in MASKS]:
     parser.error(f"--masks: {bad} not in {MASKS}")

@@ -63,39 +63,17 @@ def test_explain_reports_grid_steps():
   assert "grid steps 816" in str(causal)
 
 
-def _interval_tiles(lo: np.ndarray, hi: np.ndarray, block_q: int, block_kv: int) -> int:
-  """Tiles holding a visible pair when query i sees exactly the keys lo[i] ... hi[i] (NumPy)."""
-  t = lo.shape[0]
-  kv_first = np.arange(t // block_kv)[None, :] * block_kv
-  touches = (lo[:, None] <= kv_first + block_kv - 1) & (hi[:, None] >= kv_first)
-  return int(touches.reshape(t // block_q, block_q, -1).any(axis=1).sum())
-
-
-@pytest.mark.parametrize("name", ["prefix_lm", "chunked_causal"])
+@pytest.mark.parametrize("name", tpu_grid.MOD_MASKS)
 def test_executed_grid_points_of_a_mask_mod_are_its_visible_tiles(name):
   """32,768 tokens, the forward kernel under the TPU interpreter with its grid-point recorder (the grid
-  points it really executes, not the static grid): a mask_mod's empty tiles never enter the grid. Prefix-LM
-  (5,000 bidirectional keys) and chunked causal (chunks of 8,192); the visible tiles are counted in NumPy
-  from each query's interval of keys, not from flash_layers."""
-  from jax.experimental.pallas import tpu as pltpu
-
-  i = np.arange(T)
-  if name == "prefix_lm":
-    mask_mod, operands, lo, hi = fl.masks.prefix_lm(operand=0), (np.array([5000], np.int32),), 0 * i, \
-        np.maximum(i, 4999)
-  else:
-    mask_mod, operands, lo, hi = fl.masks.chunked_causal(8192), (), i // 8192 * 8192, i
-  points = []
-
-  def record(token, grid_point, core):
-    points.append(tuple(int(c) for c in grid_point))
-    return token
-
-  x = jnp.zeros((1, T, 1, 128), jnp.bfloat16)
-  params = pltpu.InterpretParams(grid_point_recorder=record)
-  with fl.interpret_as("tpu", params=params):
-    jax.block_until_ready(fl.attention(x, x, x, impl="flash_pallas", mask_mod=mask_mod,
-                                       mod_operands=operands or None, block_sizes=BLOCKS))
-  tiles = _interval_tiles(lo, hi, BLOCKS.block_q, BLOCKS.block_kv)
-  assert len(set(points)) == len(points)  # each grid point once
-  assert tiles <= len(points) <= MAX_OVERHEAD * tiles, (len(points), tiles)
+  points it really executes, not the static grid): a mask_mod's empty tiles never enter the grid.
+  Prefix-LM (5,000 bidirectional keys) and chunked causal (chunks of 8,192); the visible tiles are
+  counted in NumPy from each query's interval of keys, not from flash_layers. The results file the
+  docs quote holds these counts (`python -m benchmarks.tpu_grid --mods --json ...`)."""
+  points = tpu_grid.executed_points(name, BLOCKS)
+  tiles = tpu_grid.interval_tiles(*tpu_grid.mod_intervals(name), BLOCKS.block_q, BLOCKS.block_kv)
+  assert tiles <= points <= MAX_OVERHEAD * tiles, (points, tiles)
+  recorded = json.loads((RESULTS / "tpu-grid-mods-v5e-32k-2026-12-04.json").read_text())
+  assert recorded["block_sizes"] == str(BLOCKS)
+  row = next(r for r in recorded["rows"] if r["mask_mod"] == name)
+  assert (row["executed_points"], row["visible_tiles"]) == (points, tiles)
