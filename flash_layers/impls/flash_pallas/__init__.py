@@ -22,10 +22,10 @@ from typing import Protocol
 
 import jax
 
-from flash_layers import lowering, masks, mods
+from flash_layers import lowering, masks
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
-from flash_layers.impls.flash_pallas import decode
+from flash_layers.impls.flash_pallas import decode, kernel_mods
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
 _FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
@@ -149,12 +149,8 @@ class FlashPallas:
         return None
 
       def tiles():
-        return mods.tile_flags(request.mask_mod, args.mod_operands, batch=request.batch,
-                               heads=range(request.num_heads), batch_offset=0, q_offset=args.q_offset,
-                               kv_offset=args.kv_offset, q_len=request.q_len, kv_len=request.kv_len,
-                               block_q=block_q, block_kv=block_kv,
-                               num_q_blocks=-(-request.q_len // block_q),
-                               num_kv_blocks=-(-request.kv_len // block_kv))
+        return kernel_mods.tile_flags(request, args.mod_operands, args.q_offset, args.kv_offset,
+                                      block_q, block_kv)
     return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)

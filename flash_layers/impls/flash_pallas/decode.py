@@ -216,10 +216,12 @@ def attention(q, k, v, *, request: Request, args: Args, family: str, interpret: 
   return _attend(call, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)
 
 
-def splits_for(num_blocks: int, programs: int, target: int) -> int:
-  """Splits so that `programs` (batch * kv heads) * splits reaches `target` parallel programs,
+def with_splits(request: Request, block_kv: int, target: int) -> tuple[int, int]:
+  """(block_kv, splits): splits so that batch * kv heads * splits reaches `target` parallel programs,
   never more splits than kv blocks."""
-  return max(1, min(num_blocks, math.ceil(target / max(programs, 1))))
+  num_blocks = -(-request.kv_len // block_kv)
+  programs = request.batch * request.num_kv_heads
+  return block_kv, max(1, min(num_blocks, math.ceil(target / max(programs, 1))))
 
 
 def _concrete_plan(request: Request, args: Args, family: str):

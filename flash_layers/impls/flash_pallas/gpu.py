@@ -109,6 +109,11 @@ def grid_steps(request: Request, args: Args) -> int | None:
   return None
 
 
+def pow2_tile(n: int) -> int:
+  """A tile dimension for `n`: the next power of two, at least MIN_GPU_TILE (what `tl.dot` wants)."""
+  return max(MIN_GPU_TILE, pl.next_power_of_2(n))
+
+
 # ----------------------------------------------------------------------------
 # Static description of one call (hashable: it is a custom_vjp nondiff argument)
 # ----------------------------------------------------------------------------
@@ -151,11 +156,11 @@ class _GpuCall:
 
   @property
   def d_pad(self) -> int:  # tile width: `tl.dot` and `tl.arange` want powers of two
-    return max(MIN_GPU_TILE, pl.next_power_of_2(self.request.head_dim))
+    return pow2_tile(self.request.head_dim)
 
   @property
   def dv_pad(self) -> int:
-    return max(MIN_GPU_TILE, pl.next_power_of_2(self.request.head_dim_v))
+    return pow2_tile(self.request.head_dim_v)
 
   def needs_mask(self, block_kv: int) -> bool:
     """Whether any tile needs the element mask (else every loaded pair is visible)."""
@@ -276,13 +281,15 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, maske
   """
   r = st.request
   raw = _dot(st, q, k, ((1,), (1,)))
+  # The tile's positions, local and global (the mods and the element mask read them).
+  q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+  q_pos = (offsets_ref[kernel_table.Q_OFFSET] + q_local)[:, None]
+  kv_pos = (offsets_ref[kernel_table.KV_OFFSET] + kv_local)[None, :]
   idx = None
   if mod_at is not None:
     batch, head, operands = mod_at
-    q_pos = offsets_ref[kernel_table.Q_OFFSET] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    kv_pos = offsets_ref[kernel_table.KV_OFFSET] + kv_block * block_kv + jnp.arange(block_kv,
-                                                                                  dtype=jnp.int32)
-    idx = mods.Indices(batch, head, q_pos[:, None], kv_pos[None, :])  # mods refused on a mesh: local = global
+    idx = mods.Indices(batch, head, q_pos, kv_pos)  # mods are refused on a mesh: local = global
   chain = None
   if r.softcap is None and r.score_mod is None:
     s2 = raw * (r.scale * LOG2E)
@@ -312,10 +319,6 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, maske
     return s2, chain
 
   def element_mask(s2):
-    q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-    q_pos = (offsets_ref[kernel_table.Q_OFFSET] + q_local)[:, None]
-    kv_pos = (offsets_ref[kernel_table.KV_OFFSET] + kv_local)[None, :]
     ok = masks.visible(q_pos, kv_pos, r.spec,
                        None if q_seg is None else q_seg[:, None],
                        None if kv_seg is None else kv_seg[None, :])
@@ -565,11 +568,9 @@ def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block
       if prebuilt is not None and (block_q, block_kv) == r.block_mask_tiles:  # built once, every layer
         shows, fills = prebuilt
       else:
-        shows, fills = mods.tile_flags(
-            r.mask_mod, kernel_mods.unflatten(ops, st.operands), batch=r.batch,
-            heads=range(r.num_heads), batch_offset=0, q_offset=offsets[kernel_table.Q_OFFSET],
-            kv_offset=offsets[kernel_table.KV_OFFSET], q_len=r.q_len, kv_len=r.kv_len, block_q=block_q,
-            block_kv=block_kv, num_q_blocks=nq, num_kv_blocks=nk)
+        shows, fills = kernel_mods.tile_flags(r, kernel_mods.unflatten(ops, st.operands),
+                                              offsets[kernel_table.Q_OFFSET],
+                                              offsets[kernel_table.KV_OFFSET], block_q, block_kv)
       tiles = tuple(jnp.broadcast_to(x, (r.batch, nq, nk)) for x in (shows, fills))  # a map row per row
     bmap = masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
                            offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET], tiles=tiles)

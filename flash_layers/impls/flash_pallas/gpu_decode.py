@@ -26,8 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 from flash_layers import masks
 from flash_layers.impls.base import Request
 from flash_layers.impls.flash_pallas import decode
-from flash_layers.impls.flash_pallas.gpu import _load, _ragged, _store
-from flash_layers.impls.tiling import MIN_GPU_TILE, GpuBlockSizes, round_up
+from flash_layers.impls.flash_pallas.gpu import _dot, _load, _ragged, _store, pow2_tile
+from flash_layers.impls.tiling import GpuBlockSizes, round_up
 
 LOG2E = math.log2(math.e)
 # Keys per loop step: 64 keys of up to 128 dims keep K, V and a [rows, 64] logits tile in registers for
@@ -46,12 +46,7 @@ def tiles(request: Request) -> tuple[int, int]:
     block_kv = sizes.block_kv
   else:
     block_kv = BLOCK_KV if max(request.head_dim, request.head_dim_v) <= 128 else BLOCK_KV // 2
-  num_blocks = -(-request.kv_len // block_kv)
-  return block_kv, decode.splits_for(num_blocks, request.batch * request.num_kv_heads, TARGET_PROGRAMS)
-
-
-def _pow2(n: int) -> int:
-  return max(MIN_GPU_TILE, pl.next_power_of_2(n))
+  return decode.with_splits(request, block_kv, TARGET_PROGRAMS)
 
 
 def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.DecodeCall, rows_pad: int):
@@ -70,11 +65,6 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
   q = q_ref[...]  # [rows_pad, d_pad], padded in HBM
   q_pos = offsets_ref[0] + (jnp.arange(rows_pad, dtype=jnp.int32) % r.q_len)[:, None]
   q_seg = q_seg_ref[...][:, None] if r.has_segment_ids else None
-  precision = r.precision if q.dtype == jnp.float32 else lax.Precision.DEFAULT
-
-  def dot(a, b, contract):
-    return lax.dot_general(a, b, (contract, ((), ())), precision=precision,
-                           preferred_element_type=jnp.float32)
 
   def step(i, carry):
     acc, m, denom = carry
@@ -82,7 +72,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
     start = block * block_kv
     kv_slice = pl.ds(start, block_kv)
     k = _load(k_ref.at[kv_slice, :], start, kv_rows, r.head_dim)
-    s = dot(q, k, ((1,), (1,)))  # [rows_pad, block_kv]
+    s = _dot(call, q, k, ((1,), (1,)))  # [rows_pad, block_kv], at the request's precision
     if r.softcap is None:
       s = s * (r.scale * LOG2E)
     else:
@@ -99,7 +89,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
     rescale = jnp.exp2(m - m_safe)
     p = jnp.exp2(s - m_safe[:, None])
     v = _load(v_ref.at[kv_slice, :], start, kv_rows, r.head_dim_v)
-    acc = acc * rescale[:, None] + dot(p.astype(v.dtype), v, ((1,), (0,)))
+    acc = acc * rescale[:, None] + _dot(call, p.astype(v.dtype), v, ((1,), (0,)))
     return acc, m_new, denom * rescale + p.sum(axis=-1)
 
   dv_pad = o_ref.shape[-1]
@@ -117,7 +107,7 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
   rows_pad]); the caller slices rows, `merge` and the unpacking drop the padding."""
   r = call.request
   b, kvh = q.shape[0], r.num_kv_heads
-  rows_pad, d_pad, dv_pad = _pow2(call.rows), _pow2(r.head_dim), _pow2(r.head_dim_v)
+  rows_pad, d_pad, dv_pad = pow2_tile(call.rows), pow2_tile(r.head_dim), pow2_tile(r.head_dim_v)
   kv_ext = round_up(r.kv_len, call.block_kv)
   q_rows = jnp.pad(decode.pack_queries(call, q),
                    ((0, 0), (0, 0), (0, rows_pad - call.rows), (0, d_pad - r.head_dim)))

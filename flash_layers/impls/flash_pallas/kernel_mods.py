@@ -24,7 +24,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-from flash_layers.impls.base import UnsupportedError
+from flash_layers import mods
+from flash_layers.impls.base import Request, UnsupportedError
 
 # Served elsewhere when a kernel cannot: the impls that evaluate mods on whole arrays.
 GATHER_IMPLS = ("reference", "xla_dense", "xla_chunked")
@@ -47,6 +48,17 @@ def flatten(operands: tuple) -> tuple[tuple[jax.Array, ...], tuple[Meta, ...]]:
     flat.append(x.astype(wide).reshape(-1))
     metas.append(Meta(tuple(x.shape), jnp.dtype(x.dtype).name))
   return tuple(flat), tuple(metas)
+
+
+def tile_flags(request: Request, operands: tuple, q_offset, kv_offset, block_q: int,
+               block_kv: int) -> tuple[jax.Array, jax.Array]:
+  """The request's mask_mod on a kernel's tiles: (any, all) bool [b|1, nq, nk] (`mods.tile_flags`, over
+  every query head; batch and head offsets 0: mods are refused on a mesh)."""
+  return mods.tile_flags(request.mask_mod, tuple(operands), batch=request.batch,
+                         heads=jnp.arange(request.num_heads), batch_offset=0, q_offset=q_offset,
+                         kv_offset=kv_offset, q_len=request.q_len, kv_len=request.kv_len,
+                         block_q=block_q, block_kv=block_kv, num_q_blocks=-(-request.q_len // block_q),
+                         num_kv_blocks=-(-request.kv_len // block_kv))
 
 
 def unflatten(flat: tuple, metas: tuple[Meta, ...]) -> tuple[jax.Array, ...]:

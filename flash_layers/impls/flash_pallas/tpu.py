@@ -489,10 +489,7 @@ def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool, oper
     if prebuilt is not None:  # a block_mask's flags, built once for every layer
       shows, fills = prebuilt
     else:
-      shows, fills = mods.tile_flags(r.mask_mod, tuple(operands), batch=r.batch, heads=np.arange(r.num_heads),
-                                     batch_offset=0, q_offset=offs[0], kv_offset=offs[1], q_len=r.q_len,
-                                     kv_len=r.kv_len, block_q=block_q, block_kv=block_kv,
-                                     num_q_blocks=visible.shape[1], num_kv_blocks=visible.shape[2])
+      shows, fills = kernel_mods.tile_flags(r, operands, offs[0], offs[1], block_q, block_kv)
     visible, full = visible & shows, full & fills
   if kv_major:
     visible, full = xp.swapaxes(visible, 1, 2), xp.swapaxes(full, 1, 2)

@@ -55,11 +55,10 @@ def tiles(request: Request) -> tuple[int, int]:
   else:
     block_kv = next((b for b in (BLOCK_KV, 256, 128) if request.kv_len % b == 0), LANES)
     block_kv = min(block_kv, round_up(request.kv_len, LANES))
-  num_blocks = -(-request.kv_len // block_kv)
-  return block_kv, decode.splits_for(num_blocks, request.batch * request.num_kv_heads, TARGET_PROGRAMS)
+  return decode.with_splits(request, block_kv, TARGET_PROGRAMS)
 
 
-def _cache_layout(call: decode.DecodeCall, x, kv_pad: int):
+def _cache_layout(x, kv_pad: int):
   """[b, len, kv_heads, d] -> head-major [b, kv_heads, kv_pad, d] (padded only when no block size
   divides the length)."""
   x = jnp.swapaxes(x, 1, 2)
@@ -143,7 +142,7 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
     return pl.BlockSpec((None, None, call.block_kv, width),
                         lambda b, h, s, t, plan, off: (b, h, kv_block(b, s, t, plan), 0))
 
-  inputs = [q_rows, _cache_layout(call, k, kv_pad), _cache_layout(call, v, kv_pad), row_pos]
+  inputs = [q_rows, _cache_layout(k, kv_pad), _cache_layout(v, kv_pad), row_pos]
   in_specs = [pl.BlockSpec((None, None, rows_pad, d), lambda b, h, s, t, plan, off: (b, h, 0, 0)),
               kv_spec(d), kv_spec(dv),
               pl.BlockSpec((rows_pad, LANES), lambda b, h, s, t, plan, off: (0, 0))]
