@@ -47,6 +47,10 @@ STRICT_CONFIGS = [
     # head-major layout), q_len != kv_len.
     conformance.Config("strict_window_dropout_packed_gqa", q_len=260, kv_len=300, heads=4, kv_heads=2,
                        head_dim=64, window=(40, 9), segments="packed", dropout=0.1),
+    # A mask_mod with an SMEM operand (prefix-LM, per-row prefixes) over packed documents, GQA 4:2: its
+    # tile flags prune the grid, the plan carries each block row's run of full tiles.
+    conformance.Config("strict_prefix_lm_mod_packed_gqa", q_len=300, batch=2, heads=4, kv_heads=2,
+                       head_dim=64, segments="packed", mods="prefix_lm"),
     # The split-KV decode kernel (3 queries at the end of a 1,000-slot cache with ragged lengths, GQA
     # 4:2): its grid's batch, kv-head and split axes are "parallel", its partial outputs per split.
     conformance.Config("strict_decode_ragged_causal_gqa", q_len=3, kv_len=1000, batch=3, heads=4, kv_heads=2,
