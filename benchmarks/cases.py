@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import masks
+from flash_layers.contract import mask_rules
 
 MASK_KINDS = ("full", "causal", "packed", "window")
 
@@ -68,9 +68,9 @@ def mask_kwargs(kind: str, batch: int, seq_len: int) -> dict[str, Any]:
   raise ValueError(f"mask kind must be one of {MASK_KINDS}; got {kind!r}")
 
 
-def mask_spec(kwargs: dict[str, Any]) -> masks.MaskSpec:
-  return masks.MaskSpec(causal=kwargs.get("causal", False),
-                        window=masks.normalize_window(kwargs.get("window")))
+def mask_spec(kwargs: dict[str, Any]) -> mask_rules.MaskSpec:
+  return mask_rules.MaskSpec(causal=kwargs.get("causal", False),
+                        window=mask_rules.normalize_window(kwargs.get("window")))
 
 
 def inputs(shape: Shape, seq_len: int, dtype: str, seed: int = 0):
@@ -81,7 +81,7 @@ def inputs(shape: Shape, seq_len: int, dtype: str, seed: int = 0):
 
 
 @functools.partial(jax.jit, static_argnames=("seq_len", "spec", "block_q", "block_kv"))
-def _count(segment_ids, *, seq_len: int, spec: masks.MaskSpec, block_q: int, block_kv: int):
+def _count(segment_ids, *, seq_len: int, spec: mask_rules.MaskSpec, block_q: int, block_kv: int):
   """(visible pairs, tiles of block_q x block_kv holding >= 1 visible pair), summed over batch."""
   num_q_blocks, num_kv_blocks = seq_len // block_q, seq_len // block_kv
   kv_pos = jnp.arange(seq_len, dtype=jnp.int32)[None, :]
@@ -92,7 +92,7 @@ def _count(segment_ids, *, seq_len: int, spec: masks.MaskSpec, block_q: int, blo
     if segment_ids is not None:
       q_seg = jax.lax.dynamic_slice_in_dim(segment_ids, i * block_q, block_q, axis=1)[:, :, None]
       kv_seg = segment_ids[:, None, :]
-    vis = masks.visible(q_pos, kv_pos, spec, q_seg, kv_seg)
+    vis = mask_rules.visible(q_pos, kv_pos, spec, q_seg, kv_seg)
     vis = jnp.broadcast_to(vis, (vis.shape[0] if vis.ndim == 3 else 1, block_q, seq_len))
     tiles = vis.reshape(vis.shape[0], block_q, num_kv_blocks, block_kv).any(axis=(1, 3))
     # Per q block the count fits int32 (block_q * seq_len * batch); the total may not,

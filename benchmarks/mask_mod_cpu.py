@@ -2,7 +2,7 @@
 
 Per shape: the forward and forward+backward process CPU time of `causal=True` ("builtin_causal": the
 built-in rule, its arithmetic block plan) against the same mask as `mask_mod=fl.masks.causal()`
-("mask_mod_causal": evaluated per tile, its block flags from `mods.tile_flags`), and two masks only a
+("mask_mod_causal": evaluated per tile, its block flags from `block_info.tile_flags`), and two masks only a
 mask_mod can express: a prefix-LM with a per-row prefix operand of length/4 ("mask_mod_prefix_lm") and
 Llama-4 style chunked causal with chunks of 1,024 ("mask_mod_chunked_causal"). Rounds interleave the
 variants; each cell is the minimum over rounds of the per-call CPU time. Also the CPU time of
@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import flash_layers as fl
-from flash_layers import mods
+from flash_layers.contract import block_info
 
 
 def _cpu() -> float:
@@ -92,7 +92,7 @@ def _tile_flag_cost() -> list[dict]:
   for name, mod, operands in (("causal", fl.masks.causal(), ()),
                               ("prefix_lm", fl.masks.prefix_lm(operand=0), (np.array([8192], np.int32),)),
                               ("chunked_causal", fl.masks.chunked_causal(8192), ())):
-    build = jax.jit(lambda ops, mod=mod: mods.tile_flags(
+    build = jax.jit(lambda ops, mod=mod: block_info.tile_flags(
         mod, ops, batch=1, heads=jnp.arange(1), batch_offset=0, q_offset=0, kv_offset=0, q_len=length,
         kv_len=length, block_q=block, block_kv=block, num_q_blocks=n, num_kv_blocks=n))
     seconds = _timed(build, (operands,), 3)

@@ -101,7 +101,8 @@ def compile_step(args) -> dict:
   from jax.experimental import topologies
 
   import flash_layers as fl
-  from flash_layers import dispatch, host, masks
+  from flash_layers import dispatch, host
+  from flash_layers.contract import mask_rules
   from flash_layers.impls import jax_splash
   from flash_layers.impls.flash_pallas import tpu_config
 
@@ -130,7 +131,7 @@ def compile_step(args) -> dict:
   memory = compiled.memory_analysis()
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  pairs = masks.count_visible(args.seq_len, args.seq_len, masks.MaskSpec(causal=causal))
+  pairs = mask_rules.count_visible(args.seq_len, args.seq_len, mask_rules.MaskSpec(causal=causal))
   d = args.head_dim
   if args.impl == "jax_splash":
     request, _ = dispatch.prepare(q, kv, kv, causal=causal)

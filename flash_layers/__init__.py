@@ -11,14 +11,14 @@ from flash_layers import host as _host
 _host.default_to_cpu_without_accelerator()
 
 from flash_layers import masks  # noqa: E402  (fl.masks.causal(), ...: named mask_mods)
-from flash_layers.alibi import alibi_slopes  # noqa: E402
 from flash_layers.api import Explanation, attention, block_mask, explain  # noqa: E402
-from flash_layers.dropout import dropout_mask  # noqa: E402
+from flash_layers.contract.alibi import alibi_slopes  # noqa: E402
+from flash_layers.contract.block_info import BlockMask  # noqa: E402
+from flash_layers.contract.dropout import dropout_mask  # noqa: E402
 from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
 from flash_layers.impls.tiling import BlockSizes, CpuBlockSizes, GpuBlockSizes  # noqa: E402
 from flash_layers.layers import MultiHeadAttention, MultiHeadDotProductAttention, attention_fn  # noqa: E402
 from flash_layers.lowering import interpret_as  # noqa: E402
-from flash_layers.mods import BlockMask  # noqa: E402
 from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
 from flash_layers.tuning.tuner import autotune  # noqa: E402
 

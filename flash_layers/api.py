@@ -15,7 +15,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dispatch, lowering, mods
+from flash_layers import dispatch, lowering
+from flash_layers.contract import block_info, mods
 from flash_layers.dispatch import AUTO, attend, choose, prepare
 from flash_layers.impls import REGISTRY, UnsupportedError, registry
 from flash_layers.impls.xla_chunked import chunk_size
@@ -87,7 +88,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       the score and in the floating-point mod_operands. Served by reference, xla_dense and
       xla_chunked; by flash_pallas when its operands are not floating point (no operand gradients
       in the kernels).
-    mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/mods.py).
+    mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/contract/mods.py).
       Gradients reach the floating-point ones.
     q_offset, kv_offset: int positions of query row 0 and key row 0 in one sequence (default 0):
       query i sits at q_offset + i and key j at kv_offset + j for causal, windows, global tokens,
@@ -253,7 +254,7 @@ def _describe_mods(request, args, impl: str) -> str | None:
 
 def block_mask(mask_mod: Callable, *, batch: int, q_len: int, kv_len: int | None = None,
                num_heads: int = 1, mod_operands: tuple = (), block_q: int = 512,
-               block_kv: int = 512) -> mods.BlockMask:
+               block_kv: int = 512) -> block_info.BlockMask:
   """``fl.block_mask``: evaluate ``mask_mod`` on the tile grid of xla_chunked's chunks once, and pass
   the result as ``fl.attention(..., block_mask=bm)`` (or a layer's ``block_mask=``) to every layer:
   the calls then skip the tiles it hides and run the ones it fully shows unmasked, without evaluating
@@ -270,7 +271,7 @@ def block_mask(mask_mod: Callable, *, batch: int, q_len: int, kv_len: int | None
   bq, bk = chunk_size(q_len, block_q), chunk_size(kv_len, block_kv)
   nq, nk = -(-q_len // bq), -(-kv_len // bk)
   operands = tuple(jnp.asarray(x) for x in (mod_operands or ()))
-  any_, all_ = mods.tile_flags(mask_mod, operands, batch=batch, heads=jnp.arange(num_heads), batch_offset=0,
-                          q_offset=0, kv_offset=0, q_len=q_len, kv_len=kv_len, block_q=bq, block_kv=bk,
-                          num_q_blocks=nq, num_kv_blocks=nk)
-  return mods.BlockMask(any_, all_, mask_mod, q_len, kv_len, bq, bk)
+  any_, all_ = block_info.tile_flags(mask_mod, operands, batch=batch, heads=jnp.arange(num_heads),
+                                     batch_offset=0, q_offset=0, kv_offset=0, q_len=q_len, kv_len=kv_len,
+                                     block_q=bq, block_kv=bk, num_q_blocks=nq, num_kv_blocks=nk)
+  return block_info.BlockMask(any_, all_, mask_mod, q_len, kv_len, bq, bk)

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import masks
+from flash_layers.contract import mask_rules
 
 UNWRITTEN = -1  # cached_segment_ids of a slot nothing was written to
 CACHE_LAYOUTS = ("flax", "heads_first")
@@ -67,7 +67,7 @@ class Layout:
 
 def _ring_slots(layer) -> int | None:
   """The ring buffer's size for a causal layer with a sliding window, else None."""
-  window = masks.normalize_window(layer.window)
+  window = mask_rules.normalize_window(layer.window)
   if layer.causal and window is not None:
     return max(1, window[0])
   return None

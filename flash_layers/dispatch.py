@@ -17,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import dropout, lowering, masks, mods
+from flash_layers import lowering
+from flash_layers.contract import block_info, dropout, mask_rules, mods
 from flash_layers.impls import IMPLS, REGISTRY, Args, Request, UnsupportedError, cpu_loop, registry, tiling
 from flash_layers.impls.flash_pallas import decode as flash_decode
 from flash_layers.tuning import cache as tuning_cache
@@ -287,7 +288,7 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
             precision=None, mask_mod=None, score_mod=None, mod_operands=None,
             block_mask=None) -> tuple[Request, Args]:
   """Validate a call; return its static Request and array Args (with global tokens, the segment
-  ids are encoded here, on the whole sequence: masks.encode_global)."""
+  ids are encoded here, on the whole sequence: mask_rules.encode_global)."""
   _check_qkv(query, key, value)
   causal, global_tokens = as_static("causal", causal), as_static("global_tokens", global_tokens)
   window = _static_window(window)
@@ -298,15 +299,15 @@ def prepare(query, key, value, *, causal=False, segment_ids=None, kv_segment_ids
   q_seg, kv_seg = _check_segments(segment_ids, kv_segment_ids, b, t, s)
   if not isinstance(causal, bool):
     raise TypeError(f"causal must be a bool; got {causal!r}")
-  window = masks.normalize_window(window)
+  window = mask_rules.normalize_window(window)
   if isinstance(global_tokens, bool) or not isinstance(global_tokens, (int, np.integer)) or global_tokens < 0:
     raise ValueError(f"global_tokens must be an int >= 0; got {global_tokens!r}")
   if global_tokens and window is None:
     raise ValueError(f"global_tokens={global_tokens} needs a window (global tokens waive the window; "
                      "without one every token already sees its whole document)")
-  spec = masks.MaskSpec(causal=causal, window=window, global_tokens=int(global_tokens))
+  spec = mask_rules.MaskSpec(causal=causal, window=window, global_tokens=int(global_tokens))
   if spec.global_tokens and q_seg is not None:
-    q_seg, kv_seg = masks.encode_global(q_seg, spec.global_tokens), masks.encode_global(kv_seg,
+    q_seg, kv_seg = mask_rules.encode_global(q_seg, spec.global_tokens), mask_rules.encode_global(kv_seg,
                                                                                         spec.global_tokens)
   scale = _check_scalar("scale", scale, positive=False)
   softcap = _check_scalar("softcap", softcap, positive=True)
@@ -349,7 +350,7 @@ def _check_block_mask(bm, mask_mod, block_sizes, batch: int, q_len: int, kv_len:
   (`mods.block_mask`): its mask_mod, its tiles as xla_chunked's chunks, its flags for every layer."""
   if bm is None:
     return mask_mod, None, None
-  if not isinstance(bm, mods.BlockMask):
+  if not isinstance(bm, block_info.BlockMask):
     raise TypeError(f"block_mask must be a flash_layers.block_mask(...) result; got {type(bm).__name__}")
   if mask_mod is not None and mask_mod != bm.mask_mod:
     raise ValueError("mask_mod differs from the block_mask's own; pass one of them (block_mask carries its "

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx as flax_nnx
 
-from flash_layers import alibi, api, decoding, dispatch, lowering, rotary
+from flash_layers import api, decoding, dispatch, lowering, rotary
+from flash_layers.contract import alibi
 from flash_layers.impls import UnsupportedError
 from flash_layers.impls import reference as reference_impl
 from flash_layers.parallel import sharded
@@ -79,7 +80,7 @@ def check_fields(layer) -> None:
   for name in ("mask_mod", "score_mod"):
     fn = getattr(layer, name, None)
     if fn is not None and not callable(fn):
-      raise TypeError(f"{name} must be a callable (flash_layers/mods.py) or None; got {type(fn).__name__}")
+      raise TypeError(f"{name} must be a callable (contract/mods.py) or None; got {type(fn).__name__}")
   dispatch.normalize_precision(layer.precision)
   rotary.check_theta(getattr(layer, "rope_theta", None))
   if not isinstance(getattr(layer, "decode", False), bool):
@@ -402,7 +403,7 @@ class MultiHeadAttention(nn.Module):
     use_sinks: the layer owns a "sinks" parameter [num_heads] (float32 logits, `fl.attention`'s
       `sinks`: they join every row's softmax denominator), initialised by `sinks_init` (zeros:
       each head starts with a sink of logit 0).
-    mask_mod, score_mod: `fl.attention`'s (flash_layers/mods.py; `fl.masks` has named mask_mods);
+    mask_mod, score_mod: `fl.attention`'s (flash_layers/contract/mods.py; `fl.masks` has named mask_mods);
       a call's `mod_operands` are passed to them.
     decode: keep an autoregressive KV cache in the "cache" collection, as flax's
       `MultiHeadDotProductAttention(decode=True)`: the first call (`init`) makes it from its input's

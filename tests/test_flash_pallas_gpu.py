@@ -15,6 +15,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers import dispatch
+from flash_layers.contract import block_info, mask_rules
 from flash_layers.impls.flash_pallas import gpu, gpu_config
 
 
@@ -261,20 +262,20 @@ def test_arithmetic_block_ranges_match_a_brute_force_count():
     q_len, kv_len = (int(x) for x in rng.integers(1, 90, 2))
     block_q, block_kv = (int(x) for x in rng.choice([16, 32], 2))
     window = None if rng.integers(3) == 0 else tuple(int(x) for x in rng.integers(0, 50, 2))
-    spec = fl.masks.MaskSpec(causal=bool(rng.integers(2)), window=window)
+    spec = mask_rules.MaskSpec(causal=bool(rng.integers(2)), window=window)
     q_offset, kv_offset = (int(x) for x in rng.integers(-40, 40, 2))
     # One shape for every case (eager jax compiles per shape), cut to the lengths.
-    vis = np.asarray(fl.masks.visible((q_offset + np.arange(96))[:, None],
+    vis = np.asarray(mask_rules.visible((q_offset + np.arange(96))[:, None],
                                       (kv_offset + np.arange(96))[None, :], spec))[:q_len, :kv_len]
     for by_q in (True, False):
       own = (q_len, block_q, q_offset) if by_q else (kv_len, block_kv, kv_offset)
       other = (kv_len, block_kv, kv_offset) if by_q else (q_len, block_q, q_offset)
       pairs = vis if by_q else vis.T
-      band = fl.masks.band(spec, transpose=not by_q)
+      band = mask_rules.band(spec, transpose=not by_q)
       # All own blocks at once: `visible_block_range` is element-wise.
       starts = np.arange(0, own[0], own[1])
       first, last = own[2] + starts, own[2] + np.minimum(starts + own[1], own[0]) - 1
-      ranges = fl.masks.visible_block_range(first, last, band, other[2], other[0], other[1], xp=np)
+      ranges = block_info.visible_block_range(first, last, band, other[2], other[0], other[1], xp=np)
       ranges = np.stack([np.broadcast_to(x, first.shape) for x in ranges], axis=-1)  # no band: scalars
       for b, (lo, full_lo, full_hi, hi) in enumerate(ranges.tolist()):
         rows = pairs[b * own[1]:(b + 1) * own[1]]

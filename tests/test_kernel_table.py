@@ -1,4 +1,4 @@
-"""The kernels' scalar table: `kernel_table.Table` reads exactly what `kernel_table.build` writes."""
+"""The kernels' scalar table: `scalar_table.Table` reads exactly what `scalar_table.build` writes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch, dropout, kernel_table
+from flash_layers import dispatch
+from flash_layers.contract import dropout
+from flash_layers.impls.flash_pallas import scalar_table
 
 
 @pytest.mark.parametrize("alibi,rate", [(False, 0.0), (True, 0.0), (False, 0.2), (True, 0.2)])
@@ -22,10 +24,10 @@ def test_reads_match_what_build_writes(alibi, rate):
   request, args = dispatch.prepare(q, q, q, **kwargs)
   args = dataclasses.replace(args, q_offset=jnp.int32(5), kv_offset=jnp.int32(9), batch_offset=jnp.int32(2),
                              head_offset=jnp.int32(1))
-  table = kernel_table.build(request, args, b)
-  layout = kernel_table.Table.of(request)
-  assert int(table[kernel_table.Q_OFFSET]) == int(args.q_offset)
-  assert int(table[kernel_table.KV_OFFSET]) == int(args.kv_offset)
+  table = scalar_table.build(request, args, b)
+  layout = scalar_table.Table.of(request)
+  assert int(table[scalar_table.Q_OFFSET]) == int(args.q_offset)
+  assert int(table[scalar_table.KV_OFFSET]) == int(args.kv_offset)
   expected_len = 2 + (h if alibi else 0) + (b * h if rate else 0)
   assert table.shape == (expected_len,)
   for head in range(h):

@@ -259,14 +259,14 @@ def test_attention_fn_takes_mods():
 def test_a_prebuilt_block_mask_is_reused_by_every_layer(monkeypatch):
   """fl.block_mask evaluates the mask_mod on the tile grid once; two attention calls (two layers)
   given it evaluate no tile flags of their own, and give what the mask_mod alone gives."""
-  from flash_layers import mods
+  from flash_layers.contract import block_info
 
   q, k, v = _qkv()
   prefix = jnp.array([10, 60], jnp.int32)
   mm = fl.masks.prefix_lm(operand=0)
   calls = []
-  real = mods.tile_flags
-  monkeypatch.setattr(mods, "tile_flags", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  real = block_info.tile_flags
+  monkeypatch.setattr(block_info, "tile_flags", lambda *a, **kw: calls.append(1) or real(*a, **kw))
 
   @jax.jit
   def two_layers(q, k, v, prefix):
@@ -308,7 +308,7 @@ def test_block_mask_mismatches_are_refused():
 
 def test_our_tpu_kernels_take_a_block_masks_tiles_and_reuse_its_flags():
   """Given `block_mask=` (tiles multiples of 128), the TPU kernels tile by it and read its flags instead
-  of evaluating the mask_mod on their tiles again (no `lax.map` of `mods.tile_flags` in the call); the
+  of evaluating the mask_mod on their tiles again (no `lax.map` of `block_info.tile_flags` in the call); the
   output and gradients equal the reference's."""
   t = 1024
   rng = np.random.default_rng(3)

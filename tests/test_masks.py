@@ -1,4 +1,5 @@
-"""masks.block_map against brute force over the dense mask (built by the float64 reference, not masks.py)."""
+"""block_info.block_map against brute force over the dense mask (built by the float64 reference, not
+mask_rules.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flash_layers import masks
+from flash_layers.contract import block_info, mask_rules
 from flash_layers.testing import reference64
 
 
@@ -66,14 +67,14 @@ def check_block_map(p):
   rng = np.random.default_rng(p["seed"])
   q_ids, kv_ids = segments(p, rng)
   g = p.get("global_tokens", 0)
-  spec = masks.MaskSpec(causal=p["causal"], window=p["window"], global_tokens=g)
+  spec = mask_rules.MaskSpec(causal=p["causal"], window=p["window"], global_tokens=g)
   dense = reference64.mask(p["batch"], p["q_len"], p["kv_len"], causal=p["causal"],
                                  window=p["window"], segment_ids=q_ids, kv_segment_ids=kv_ids,
                                  q_offset=p["q_offset"], kv_offset=p["kv_offset"], global_tokens=g)
   true_visible, true_full = brute_force(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], dense)
   # With global tokens the impls see encoded segment ids (dispatch.prepare does this).
-  encode = (lambda ids: masks.encode_global(jnp.asarray(ids), g)) if g else jnp.asarray
-  bm = masks.block_map(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], spec,
+  encode = (lambda ids: mask_rules.encode_global(jnp.asarray(ids), g)) if g else jnp.asarray
+  bm = block_info.block_map(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], spec,
                        None if q_ids is None else encode(q_ids),
                        None if kv_ids is None else encode(kv_ids), p["q_offset"], p["kv_offset"])
   visible = np.broadcast_to(np.asarray(bm.visible), true_visible.shape)
@@ -139,9 +140,9 @@ def test_block_map_edge_cases(p):
 
 def test_block_map_under_jit_with_traced_offsets():
   """Ring attention passes traced offsets; the map must agree with the eager one."""
-  spec = masks.MaskSpec(causal=True, window=(40, 3))
+  spec = mask_rules.MaskSpec(causal=True, window=(40, 3))
   ids = jnp.asarray(consecutive_docs(np.random.default_rng(1), 2, 150))
-  make = lambda qo, ko: masks.block_map(150, 150, 32, 16, spec, ids, ids, qo, ko)
+  make = lambda qo, ko: block_info.block_map(150, 150, 32, 16, spec, ids, ids, qo, ko)
   traced = jax.jit(make)(jnp.int32(37), jnp.int32(5))
   eager = make(37, 5)
   for a, b in zip(traced, eager, strict=True):
@@ -150,8 +151,8 @@ def test_block_map_under_jit_with_traced_offsets():
 
 def test_global_tokens_visit_a_few_percent_of_tiles_at_16k():
   # Longformer's shape: 16,384 tokens, window 512 each side, one global token (no segment ids).
-  spec = masks.MaskSpec(window=(512, 512), global_tokens=1)
-  bm = masks.block_map(16384, 16384, 512, 512, spec)
+  spec = mask_rules.MaskSpec(window=(512, 512), global_tokens=1)
+  bm = block_info.block_map(16384, 16384, 512, 512, spec)
   visible = np.asarray(bm.visible[0])
   assert visible[0].all() and visible[:, 0].all()  # the global token's row and column
   band = np.abs(np.arange(32)[:, None] - np.arange(32)[None, :]) <= 1
@@ -163,11 +164,11 @@ def test_global_tokens_visit_a_few_percent_of_tiles_at_16k():
 
 
 def test_block_stats_counts_over_batch_and_heads():
-  spec = masks.MaskSpec(causal=True)
+  spec = mask_rules.MaskSpec(causal=True)
   # 4 x 4 blocks, causal: the 10 lower-triangle ones; batch 3 and 2 heads share the map.
-  assert masks.block_stats(3, 2, 256, 256, 64, 64, spec) == (3 * 2 * 10, 3 * 2 * 16)
+  assert block_info.block_stats(3, 2, 256, 256, 64, 64, spec) == (3 * 2 * 10, 3 * 2 * 16)
   ids = jnp.asarray([[1] * 128 + [2] * 128, [1] * 256])
-  visited, total = masks.block_stats(2, 1, 256, 256, 64, 64, spec, ids, ids)
+  visited, total = block_info.block_stats(2, 1, 256, 256, 64, 64, spec, ids, ids)
   assert (visited, total) == (3 + 3 + 10, 2 * 16)
-  traced = jax.jit(lambda i: masks.block_stats(2, 1, 256, 256, 64, 64, spec, i, i) is None)
+  traced = jax.jit(lambda i: block_info.block_stats(2, 1, 256, 256, 64, 64, spec, i, i) is None)
   assert traced(ids)

@@ -19,7 +19,7 @@ An impl is a small object satisfying `Impl`, registered in `flash_layers.impls.r
 The computation every impl performs (the contract, written once):
 
   logits = scale * q.k^T + alibi + bias   (alibi[h, i, j] = -slope[h] * |i - j|, global positions)
-  logits = score_mod(logits, b, h, i, j, *mod_operands)  (if any; flash_layers/mods.py)
+  logits = score_mod(logits, b, h, i, j, *mod_operands)  (if any; flash_layers/contract/mods.py)
   logits = c * tanh(logits / c)           (softcap c, if any)
   logits = -inf where the mask hides the key (causal, window, segments, dense mask, mask_mod)
   p = softmax(logits) in float32;  lse = logsumexp(logits)  (the normaliser *before* dropout)
@@ -55,8 +55,8 @@ from typing import Any, Protocol
 import jax
 import jax.numpy as jnp
 
+from flash_layers.contract.mask_rules import MaskSpec
 from flash_layers.errors import UserError
-from flash_layers.masks import MaskSpec
 
 
 class UnsupportedError(UserError, ValueError):
@@ -89,7 +89,7 @@ class Request:
   # The precision of every matmul (`jax.lax.Precision`, as in `jnp.dot`): DEFAULT, HIGH or HIGHEST.
   # `dispatch.prepare` resolves the user's None: HIGHEST, except DEFAULT for bfloat16 inputs.
   precision: jax.lax.Precision = jax.lax.Precision.HIGHEST
-  # The user's mods (flash_layers/mods.py): callables, hashed by identity (define one once and
+  # The user's mods (flash_layers/contract/mods.py): callables, hashed by identity (define one once and
   # reuse it, or each call is a new trace).
   mask_mod: Any = None
   score_mod: Any = None
@@ -128,7 +128,7 @@ class Args:
   head_offset: Any = 0   # calls), so the dropout hash sees global indices
   alibi_slopes: jax.Array | None = None  # float32 [num_heads] of the heads held here
   bias: jax.Array | None = None  # float, rank 4, broadcastable to [b, h, q, kv]
-  mod_operands: tuple = ()  # arrays passed to mask_mod and score_mod (flash_layers/mods.py)
+  mod_operands: tuple = ()  # arrays passed to mask_mod and score_mod (flash_layers/contract/mods.py)
   # A mask_mod's (any, all) tile flags [b|1, nq, nk] for an impl's tiles, when its caller built them
   # (xla_chunked: once per call, before the CPU loop); None: built where needed.
   mod_tiles: tuple | None = None

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import lowering, masks
+from flash_layers import lowering
+from flash_layers.contract import block_info
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.tiling import LANES, BlockSizes, round_up
@@ -349,7 +350,7 @@ class JaxSplash:
     """(blocks visited, blocks total) of the forward schedule over batch and heads. Splash skips
     blocks by the static mask only, so segment ids do not reduce the count."""
     sizes = splash_block_sizes(request)
-    return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
+    return block_info.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              sizes.block_q, sizes.block_kv, request.spec, None, None,
                              args.q_offset, args.kv_offset)
 

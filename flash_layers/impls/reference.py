@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks, mods, scores
+from flash_layers.contract import dropout, mask_rules, mods
+from flash_layers.impls import dense_logits
 from flash_layers.impls.base import Args, Request
 
 
@@ -94,7 +95,7 @@ def _terms(q, k, request: Request, args: Args):
   b, t, h, _ = q.shape
   kvh = k.shape[2]
   g = h // kvh
-  mask = masks.dense_mask(t, k.shape[1], request.spec, args.q_segment_ids,
+  mask = mask_rules.dense_mask(t, k.shape[1], request.spec, args.q_segment_ids,
                           args.kv_segment_ids, args.q_offset, args.kv_offset)
   mask = mask[:, None, None]  # [b|1, 1, 1, t, s]
   if args.dense_mask is not None:
@@ -110,7 +111,7 @@ def _terms(q, k, request: Request, args: Args):
   score_fn = None
   if request.score_mod is not None:
     score_fn = lambda x: mods.score(request.score_mod, x, idx, args.mod_operands)  # noqa: E731
-  extra = scores.dense_terms(args, t, s)  # ALiBi + bias, [b|1, h|1, t, s]
+  extra = dense_logits.dense_terms(args, t, s)  # ALiBi + bias, [b|1, h|1, t, s]
   if extra is not None:
     extra = jnp.broadcast_to(extra, (extra.shape[0], h, t, s)).reshape(-1, kvh, g, t, s)
   keep = None

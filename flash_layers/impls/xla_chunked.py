@@ -9,8 +9,8 @@ probabilities as ``exp(logits - lse)`` and accumulates dq, dk and dv chunk by
 chunk. Forward and backward therefore use O(len * chunk) memory.
 
 Chunks the mask makes wholly invisible are never visited: each q chunk loops
-over the ``kv_count`` visible kv chunks listed in ``masks.block_map``'s
-``kv_index``; inside a visited chunk, ``masks.visible`` masks element-wise, except
+over the ``kv_count`` visible kv chunks listed in ``block_info.block_map``'s
+``kv_index``; inside a visited chunk, ``mask_rules.visible`` masks element-wise, except
 in a chunk the block map marks full (every pair visible), which a one-row call
 (each step of the CPU loop) runs without the element mask (a long document's rows
 are mostly full chunks). Under vmap the branch would run both sides, so a call
@@ -39,8 +39,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, masks, mods
-from flash_layers.alibi import alibi
+from flash_layers.contract import block_info, dropout, mask_rules, mods
+from flash_layers.contract.alibi import alibi
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import CpuBlockSizes, pad_to
@@ -93,7 +93,7 @@ class _Extras(NamedTuple):
   bias: jax.Array | None    # float [b|1, h|1, tp, sp]
   slopes: jax.Array | None  # float32 [kvh, g]
   ints: jax.Array           # int32 [q_offset, kv_offset, batch_offset, head_offset, seed0, seed1]
-  ops: tuple = ()           # mod_operands (flash_layers/mods.py), shared by every row
+  ops: tuple = ()           # mod_operands (flash_layers/contract/mods.py), shared by every row
 
 
 def _tile_starts(st: _ChunkedCall, qb, kb):
@@ -156,7 +156,7 @@ class _Row:
     if self.q_seg is not None:
       q_seg = self.q_seg[qb][:, None]
       kv_seg = self.kv_seg[kb][None, :]
-    ok = masks.visible(self.q_offset + q_idx[:, None], self.kv_offset + kv_idx[None, :], st.request.spec,
+    ok = mask_rules.visible(self.q_offset + q_idx[:, None], self.kv_offset + kv_idx[None, :], st.request.spec,
                        q_seg, kv_seg)
     # Padding added to reach whole chunks is never visible (padded query rows see nothing).
     ok = ok & (q_idx < st.request.q_len)[:, None] & (kv_idx < st.request.kv_len)[None, :]
@@ -364,7 +364,7 @@ def _chunked_bwd(st, residuals, cotangents):
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
 
 
-def _listed_full(bm: masks.BlockMap) -> jax.Array:
+def _listed_full(bm: block_info.BlockMap) -> jax.Array:
   """bool [b|1, nq, nk]: is the i-th kv chunk in a q chunk's visit list (`kv_index`) fully visible?"""
   return jnp.take_along_axis(bm.full, bm.kv_index, axis=2)
 
@@ -401,7 +401,7 @@ class XlaChunked:
       if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
         return None
       tiles = lambda: self._with_mod_tiles(request, args).mod_tiles  # noqa: E731  (the flags attend uses)
-    return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
+    return block_info.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              *self.chunk_shape(request), request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
 
@@ -491,7 +491,7 @@ class XlaChunked:
       dm = args.dense_mask
       dm = jnp.broadcast_to(dm, (dm.shape[0], dm.shape[1], t, s))
       dense = pad_to(pad_to(dm, 2, tp, False), 3, sp, False)  # [b|1, h|1, tp, sp]
-    bm = masks.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
+    bm = block_info.block_map(t, s, bq, bk, request.spec, args.q_segment_ids, args.kv_segment_ids,
                          args.q_offset, args.kv_offset, tiles=args.mod_tiles)  # set by _with_mod_tiles
     bias = None
     if args.bias is not None:  # [b|1, h|1, tp, sp]; padded entries are masked anyway
@@ -508,7 +508,7 @@ class XlaChunked:
 def _mod_tiles(request: Request, args: Args, bq: int, bk: int):
   """A mask_mod's (any, all) tile flags [b|1, nq, nk] over the call's heads, for chunks (bq, bk)."""
   heads = args.head_offset + jnp.arange(request.num_heads, dtype=jnp.int32)
-  return mods.tile_flags(request.mask_mod, args.mod_operands, batch=request.batch, heads=heads,
+  return block_info.tile_flags(request.mask_mod, args.mod_operands, batch=request.batch, heads=heads,
                          batch_offset=args.batch_offset, q_offset=args.q_offset, kv_offset=args.kv_offset,
                          q_len=request.q_len, kv_len=request.kv_len, block_q=bq, block_kv=bk,
                          num_q_blocks=-(-request.q_len // bq), num_kv_blocks=-(-request.kv_len // bk))

@@ -51,8 +51,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout, lowering, masks, mods, scores
-from flash_layers.impls import cpu_loop
+from flash_layers import lowering
+from flash_layers.contract import dropout, mask_rules, mods
+from flash_layers.impls import cpu_loop, dense_logits
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.reference import dense_keep
 
@@ -258,7 +259,7 @@ def _mask(request: Request, args: Args, group: int):
   t, s = request.q_len, request.kv_len
   mask = None
   if request.spec.causal or request.spec.window is not None or request.has_segment_ids:
-    mask = masks.dense_mask(t, s, request.spec, args.q_segment_ids, args.kv_segment_ids,
+    mask = mask_rules.dense_mask(t, s, request.spec, args.q_segment_ids, args.kv_segment_ids,
                             args.q_offset, args.kv_offset)[:, None, None]  # [b|1, 1, 1, t, s]
   if args.dense_mask is not None:
     dm = args.dense_mask  # [b|1, h|1, t|1, s|1] -> [b|1, kvh|1, g|1, t, s]
@@ -292,7 +293,7 @@ def _grouped(x, group: int):
 
 def _extra(args: Args, b: int, h: int, t: int, s: int, group: int):
   """ALiBi + bias as one float32 term broadcastable to the logits, or None."""
-  extra = scores.dense_terms(args, t, s)  # [b|1, h|1, t, s]
+  extra = dense_logits.dense_terms(args, t, s)  # [b|1, h|1, t, s]
   if extra is None:
     return None
   if extra.shape[1] == 1 or group == 1:

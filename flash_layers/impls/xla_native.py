@@ -18,7 +18,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers import masks, mods, scores
+from flash_layers.contract import mask_rules, mods
+from flash_layers.impls import dense_logits
 from flash_layers.impls.base import Args, Request
 
 _CUDNN_DTYPES = ("bfloat16", "float16")
@@ -33,7 +34,7 @@ def _uses_plain_causal(request: Request, args: Args) -> bool:
 
 def _bias(request: Request, args: Args, q_len: int, kv_len: int):
   """alibi + bias as one float32 array broadcastable to [b, h, q, kv], or None."""
-  return scores.dense_terms(args, q_len, kv_len)
+  return dense_logits.dense_terms(args, q_len, kv_len)
 
 
 class XlaNative:
@@ -64,7 +65,7 @@ class XlaNative:
     is_causal = request.spec.causal
     if not _uses_plain_causal(request, args):
       is_causal = False
-      mask = masks.dense_mask(q.shape[1], k.shape[1], request.spec, args.q_segment_ids,
+      mask = mask_rules.dense_mask(q.shape[1], k.shape[1], request.spec, args.q_segment_ids,
                               args.kv_segment_ids, args.q_offset, args.kv_offset)[:, None]
       if args.dense_mask is not None:
         mask = mask & args.dense_mask

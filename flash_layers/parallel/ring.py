@@ -6,7 +6,7 @@ At every step it attends its queries to the K/V block it holds, with the impl
 the caller asked for and the *global* positions of both blocks (Args.q_offset /
 kv_offset), so causal masks, windows and segment ids mean what they mean in the
 unsharded call. Partial results are merged by their log-sum-exp. A step whose
-blocks cannot see each other (decided by `masks.block_map` with one block per
+blocks cannot see each other (decided by `block_info.block_map` with one block per
 shard: position arithmetic plus segment-id ranges) skips its compute.
 
 Load balance: with a causal mask a contiguous layout gives the last device n
@@ -37,7 +37,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dispatch, masks
+from flash_layers import dispatch
+from flash_layers.contract import block_info
 from flash_layers.impls import Args, Request
 
 
@@ -124,7 +125,7 @@ def _offsets(device, config: RingConfig, chunk_len: int):
 def _pair_visible(config: RingConfig, q_off, kv_off, q_seg, kv_seg):
   """May any query of this chunk see any key of that one? (one block per chunk)."""
   r = config.request
-  bm = masks.block_map(r.q_len, r.kv_len, r.q_len, r.kv_len, r.spec, q_seg, kv_seg, q_off, kv_off)
+  bm = block_info.block_map(r.q_len, r.kv_len, r.q_len, r.kv_len, r.spec, q_seg, kv_seg, q_off, kv_off)
   return jnp.any(bm.visible)
 
 

@@ -165,7 +165,7 @@ def _request_kwargs(request: Request, batch: int, num_heads: int, key) -> dict:
     kw.update(dropout_rate=request.dropout_rate, dropout_rng=jax.random.key(1),
               dropout_broadcast=request.dropout_broadcast)
   if request.has_alibi:
-    from flash_layers.alibi import alibi_slopes  # noqa: PLC0415
+    from flash_layers.contract.alibi import alibi_slopes  # noqa: PLC0415
     kw["alibi_slopes"] = alibi_slopes(num_heads)
   if request.has_bias:
     kw["bias"] = 0.1 * jax.random.normal(key, (1, num_heads, request.q_len, request.kv_len), jnp.float32)

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import jax
 
-from flash_layers import lowering, masks
+from flash_layers import lowering
+from flash_layers.contract import block_info
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.flash_pallas import decode, kernel_mods
@@ -151,7 +152,7 @@ class FlashPallas:
       def tiles():
         return kernel_mods.tile_flags(request, args.mod_operands, args.q_offset, args.kv_offset,
                                       block_q, block_kv)
-    return masks.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
+    return block_info.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
 

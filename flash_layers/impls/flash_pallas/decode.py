@@ -17,7 +17,7 @@ al., 2023, "Flash-Decoding for long-context inference"):
   can see (segment ids mark each row's valid length: decoding.py's cache gives unwritten slots the id
   -1; causal masks and windows with the offsets bound it too), and the splits share *that* run: a row
   with 300 valid keys of an 8,192-slot cache reads one block, not sixteen, and rows of different
-  lengths keep every split equally busy. Inside a tile, `masks.visible` (the predicate every impl
+  lengths keep every split equally busy. Inside a tile, `mask_rules.visible` (the predicate every impl
   uses) masks the rest.
 
 The backward is the family's own backward kernels from the merged logsumexp (`attention_backward`);
@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import masks
+from flash_layers.contract import mask_rules
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
 
@@ -122,7 +122,7 @@ def plan(call: DecodeCall, q_seg, kv_seg, offsets) -> jax.Array:
   r = call.request
   q_pos = offsets[0] + jnp.arange(r.q_len, dtype=jnp.int32)
   kv_pos = offsets[1] + jnp.arange(r.kv_len, dtype=jnp.int32)
-  seen = masks.visible(q_pos[:, None], kv_pos[None, :], r.spec,
+  seen = mask_rules.visible(q_pos[:, None], kv_pos[None, :], r.spec,
                        None if q_seg is None else q_seg[:, :, None],
                        None if kv_seg is None else kv_seg[:, None, :])
   seen = jnp.broadcast_to(seen.reshape(-1, r.q_len, r.kv_len), (r.batch, r.q_len, r.kv_len))

@@ -24,13 +24,13 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 * Which blocks a program visits. Causal and windows make the keys a query sees
   one interval of positions, so without segment ids each program computes its
   range from the global offsets (`q_offset`/`kv_offset`, possibly traced, in a
-  tiny int32 array) and the tile sizes (`masks.visible_block_range`): the interior blocks,
+  tiny int32 array) and the tile sizes (`block_info.visible_block_range`): the interior blocks,
   where every pair is visible and every position real, run in a loop with no
   element mask and no `cond`; the edge blocks (the diagonal, window edges, the
   ragged last block) run in a second loop with the mask. With segment ids
   (packed documents) or global tokens the visible set is not one interval: the
-  kernels walk the lists of `masks.block_map` and its per-tile `full` flag skips
-  the mask behind an `scf.if`. The element mask is `masks.visible` itself.
+  kernels walk the lists of `block_info.block_map` and its per-tile `full` flag skips
+  the mask behind an `scf.if`. The element mask is `mask_rules.visible` itself.
 * Any length and head_dim 16..256 without copies: q/k/v/dO stay as given in HBM.
   BlockSpecs are block multiples long and powers of two wide (what `tl.dot`
   wants); tiles are read with masked loads (rows past the length and columns
@@ -41,7 +41,7 @@ The algorithm (FlashAttention-2, Dao 2023, arXiv 2307.08691), shaped for a GPU:
 * Dropout and ALiBi: each tile hashes its keep mask (`dropout.keep`, the function every
   impl uses) and its ALiBi term from global positions, in the forward and again in
   both backward kernels. Slopes and per-(batch, head) dropout streams come in the
-  small int32 scalar table (`kernel_table`).
+  small int32 scalar table (`scalar_table`).
 
 Tile sizes, warps and pipeline stages come from one table (`gpu_config.TILE_TABLE`)
 by GPU generation and head_dim, each row citing its yardstick and sized to the
@@ -61,10 +61,10 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flash_layers import dropout, kernel_table, masks, mods
-from flash_layers.alibi import alibi
+from flash_layers.contract import block_info, dropout, mask_rules, mods
+from flash_layers.contract.alibi import alibi
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.flash_pallas import gpu_config, kernel_mods
+from flash_layers.impls.flash_pallas import gpu_config, kernel_mods, scalar_table
 from flash_layers.impls.tiling import MIN_GPU_TILE, GpuBlockSizes, round_up
 
 LOG2E = math.log2(math.e)
@@ -135,9 +135,9 @@ class _GpuCall:
   @property
   def arithmetic(self) -> bool:
     """Whether each block's visible blocks are one range computed from the offsets (causal,
-    windows, neither) rather than listed by `masks.block_map` (segment ids; global tokens, whose
+    windows, neither) rather than listed by `block_info.block_map` (segment ids; global tokens, whose
     visible set is the band plus the first rows and columns: not one interval; a mask_mod, whose
-    tiles come from `mods.tile_flags`)."""
+    tiles come from `block_info.tile_flags`)."""
     return (not self.has_segments and not self.request.spec.global_tokens
             and self.request.mask_mod is None)
 
@@ -236,8 +236,8 @@ def _positions(st: _GpuCall, offsets_ref, q_block, kv_block, block_q, block_kv):
   """Global positions of a tile: q [block_q, 1], kv [1, block_kv] (None when unused)."""
   if not (st.request.has_alibi or st.request.has_dropout):
     return None
-  q_pos = offsets_ref[kernel_table.Q_OFFSET] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
-  kv_pos = offsets_ref[kernel_table.KV_OFFSET] + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
+  q_pos = offsets_ref[scalar_table.Q_OFFSET] + q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
+  kv_pos = offsets_ref[scalar_table.KV_OFFSET] + kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
   return q_pos[:, None], kv_pos[None, :]
 
 
@@ -245,7 +245,7 @@ def _alibi(st: _GpuCall, offsets_ref, head, positions):
   """The ALiBi term of a tile (slope bits from the kernel table), or None."""
   if not st.request.has_alibi:
     return None
-  return alibi(kernel_table.Table.of(st.request).slope(offsets_ref, head), *positions)
+  return alibi(scalar_table.Table.of(st.request).slope(offsets_ref, head), *positions)
 
 
 def _keep(st: _GpuCall, offsets_ref, batch, head, positions):
@@ -253,7 +253,7 @@ def _keep(st: _GpuCall, offsets_ref, batch, head, positions):
   r = st.request
   if not r.has_dropout:
     return None
-  stream = kernel_table.Table.of(r).stream(offsets_ref, batch, head)
+  stream = scalar_table.Table.of(r).stream(offsets_ref, batch, head)
   kept = dropout.keep(stream, *positions, r.dropout_rate)
   return jnp.where(kept, jnp.float32(dropout.keep_scale(r.dropout_rate)), jnp.float32(0.0))
 
@@ -284,8 +284,8 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, maske
   # The tile's positions, local and global (the mods and the element mask read them).
   q_local = q_block * block_q + jnp.arange(block_q, dtype=jnp.int32)
   kv_local = kv_block * block_kv + jnp.arange(block_kv, dtype=jnp.int32)
-  q_pos = (offsets_ref[kernel_table.Q_OFFSET] + q_local)[:, None]
-  kv_pos = (offsets_ref[kernel_table.KV_OFFSET] + kv_local)[None, :]
+  q_pos = (offsets_ref[scalar_table.Q_OFFSET] + q_local)[:, None]
+  kv_pos = (offsets_ref[scalar_table.KV_OFFSET] + kv_local)[None, :]
   idx = None
   if mod_at is not None:
     batch, head, operands = mod_at
@@ -319,7 +319,7 @@ def _tile_logits(st: _GpuCall, q, k, q_block, kv_block, block_q, block_kv, maske
     return s2, chain
 
   def element_mask(s2):
-    ok = masks.visible(q_pos, kv_pos, r.spec,
+    ok = mask_rules.visible(q_pos, kv_pos, r.spec,
                        None if q_seg is None else q_seg[:, None],
                        None if kv_seg is None else kv_seg[None, :])
     if r.mask_mod is not None:
@@ -344,16 +344,16 @@ def _walk(st: _GpuCall, offsets_ref, table, own_block, own_size, own_len, other_
   """Run `visit(other_block, carry, masked)` over the blocks the own block sees.
 
   by_q: the own block is a q block walking kv blocks (forward, dQ); else a kv block walking q
-  blocks (dK/dV). Without segment ids the range is arithmetic (`masks.visible_block_range`); with them the
-  block map's list (`table`: index, count, full refs) drives one loop and its `full` flag.
+  blocks (dK/dV). Without segment ids the range is arithmetic (`block_info.visible_block_range`); with
+  them the block map's list (`table`: index, count, full refs) drives one loop and its `full` flag.
   """
   if st.arithmetic:
-    q_off, kv_off = offsets_ref[kernel_table.Q_OFFSET], offsets_ref[kernel_table.KV_OFFSET]
+    q_off, kv_off = offsets_ref[scalar_table.Q_OFFSET], offsets_ref[scalar_table.KV_OFFSET]
     own_offset, other_offset = (q_off, kv_off) if by_q else (kv_off, q_off)
     first = own_offset + own_block * own_size
     last = own_offset + jnp.minimum(own_block * own_size + own_size, own_len) - 1
-    band = masks.band(st.request.spec, transpose=not by_q)
-    ranges = masks.visible_block_range(first, last, band, other_offset, other_len, other_size)
+    band = mask_rules.band(st.request.spec, transpose=not by_q)
+    ranges = block_info.visible_block_range(first, last, band, other_offset, other_len, other_size)
     return _visit_ranges(ranges, visit, carry)
   index_ref, count_ref, full_ref = table
 
@@ -544,7 +544,7 @@ def _visible_pairs(st: _GpuCall, batch: int) -> int:
   segment ids not at all: an upper bound.
   """
   r = st.request
-  return batch * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec)
+  return batch * r.num_heads * mask_rules.count_visible(r.q_len, r.kv_len, r.spec)
 
 
 def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block_q: int, block_kv: int,
@@ -569,11 +569,11 @@ def _mask_inputs(st: _GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block
         shows, fills = prebuilt
       else:
         shows, fills = kernel_mods.tile_flags(r, kernel_mods.unflatten(ops, st.operands),
-                                              offsets[kernel_table.Q_OFFSET],
-                                              offsets[kernel_table.KV_OFFSET], block_q, block_kv)
+                                              offsets[scalar_table.Q_OFFSET],
+                                              offsets[scalar_table.KV_OFFSET], block_q, block_kv)
       tiles = tuple(jnp.broadcast_to(x, (r.batch, nq, nk)) for x in (shows, fills))  # a map row per row
-    bmap = masks.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
-                           offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET], tiles=tiles)
+    bmap = block_info.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
+                           offsets[scalar_table.Q_OFFSET], offsets[scalar_table.KV_OFFSET], tiles=tiles)
     if by_q:
       index, count, full = bmap.kv_index, bmap.kv_count, bmap.full
     else:
@@ -740,8 +740,8 @@ def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   prebuilt = None  # a block_mask's tile flags, used where the kernel's tiles are the block mask's
   if request.block_mask_tiles is not None and args.mod_tiles is not None:
     prebuilt = tuple(args.mod_tiles)
-  # offsets, slopes, streams (kernel_table); the mods' inputs
-  return st, kernel_table.build(request, args, batch), (ops, prebuilt)
+  # offsets, slopes, streams (scalar_table); the mods' inputs
+  return st, scalar_table.build(request, args, batch), (ops, prebuilt)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):

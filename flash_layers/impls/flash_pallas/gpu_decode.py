@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from flash_layers import masks
+from flash_layers.contract import mask_rules
 from flash_layers.impls.base import Request
 from flash_layers.impls.flash_pallas import decode
 from flash_layers.impls.flash_pallas.gpu import _dot, _load, _ragged, _store, pow2_tile
@@ -81,7 +81,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
     kv_seg = None
     if r.has_segment_ids:
       kv_seg = _load(kv_seg_ref.at[kv_slice], start, kv_rows, other=-1)[None, :]
-    visible = masks.visible(q_pos, (offsets_ref[1] + kv_local)[None, :], r.spec, q_seg, kv_seg)
+    visible = mask_rules.visible(q_pos, (offsets_ref[1] + kv_local)[None, :], r.spec, q_seg, kv_seg)
     visible = visible & (kv_local < r.kv_len)[None, :]
     s = jnp.where(visible, s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -127,7 +127,7 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
   out_shape = [jax.ShapeDtypeStruct((b, kvh, call.splits, rows_pad, dv_pad), jnp.float32),
                jax.ShapeDtypeStruct((b, kvh, call.splits, rows_pad), jnp.float32)]
   q_off, kv_off = call.static_offsets or (0, 0)
-  pairs = b * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec, q_off, kv_off)
+  pairs = b * r.num_heads * mask_rules.count_visible(r.q_len, r.kv_len, r.spec, q_off, kv_off)
   cost = pl.CostEstimate(
       flops=int(2 * pairs * (r.head_dim + r.head_dim_v)),
       transcendentals=int(pairs * (1 + (r.softcap is not None))),

@@ -1,11 +1,11 @@
 """mask_mod / score_mod inside our kernels: how a mod's operands reach a kernel and how a mod reads them.
 
-Both kernel families evaluate the user's mods (flash_layers/mods.py) on the index vectors of a tile:
+Both kernel families evaluate the user's mods (flash_layers/contract/mods.py) on the index vectors of a tile:
 ``b`` and ``h`` are the program's batch row and query head (int32 scalars), ``q_idx`` / ``kv_idx`` the
 tile's global positions (vectors that broadcast to the tile). A mask_mod masks a partial tile with the
-built-in rules; its block sparsity comes from `mods.tile_flags` evaluated on the kernel's tiles before the
-call. A score_mod rewrites every visited tile's logits, and the backward applies its derivative (`jax.vjp`
-of the elementwise function, inside the kernel).
+built-in rules; its block sparsity comes from `block_info.tile_flags` evaluated on the kernel's tiles
+before the call. A score_mod rewrites every visited tile's logits, and the backward applies its
+derivative (`jax.vjp` of the elementwise function, inside the kernel).
 
 The operands travel flattened (a 2-D SMEM array pads its rows), as int32 or float32 (what a TPU's scalar
 memory holds; bool and narrower ints widen to int32, other floats to float32), and a mod sees each as an
@@ -24,7 +24,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from flash_layers import mods
+from flash_layers.contract import block_info
 from flash_layers.impls.base import Request, UnsupportedError
 
 # Served elsewhere when a kernel cannot: the impls that evaluate mods on whole arrays.
@@ -52,9 +52,9 @@ def flatten(operands: tuple) -> tuple[tuple[jax.Array, ...], tuple[Meta, ...]]:
 
 def tile_flags(request: Request, operands: tuple, q_offset, kv_offset, block_q: int,
                block_kv: int) -> tuple[jax.Array, jax.Array]:
-  """The request's mask_mod on a kernel's tiles: (any, all) bool [b|1, nq, nk] (`mods.tile_flags`, over
+  """The request's mask_mod on a kernel's tiles: (any, all) bool [b|1, nq, nk] (`block_info.tile_flags`, over
   every query head; batch and head offsets 0: mods are refused on a mesh)."""
-  return mods.tile_flags(request.mask_mod, tuple(operands), batch=request.batch,
+  return block_info.tile_flags(request.mask_mod, tuple(operands), batch=request.batch,
                          heads=jnp.arange(request.num_heads), batch_offset=0, q_offset=q_offset,
                          kv_offset=kv_offset, q_len=request.q_len, kv_len=request.kv_len,
                          block_q=block_q, block_kv=block_kv, num_q_blocks=-(-request.q_len // block_q),

@@ -24,7 +24,7 @@ The plan is linear in the length: per (batch row if segment ids, outer block) it
 (first block, count), int32, scalar-prefetched to SMEM; the BlockSpec index maps read it, so a
 step past a row's end re-names the previous tile (no DMA) and ``pl.when`` skips its compute.
 Whether a tile is visible, and fully visible (no element mask), is decided per step by
-`masks.tile_visibility` on SMEM scalars: the offsets and, with segment ids, each block's segment
+`block_info.tile_visibility` on SMEM scalars: the offsets and, with segment ids, each block's segment
 range and global-token flags. 262,144 tokens compile on one v5p chip; 1,048,576 over a v5p:2x2x2
 ring.
 
@@ -70,10 +70,11 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_layers import dropout, kernel_table, lowering, masks, mods
-from flash_layers.alibi import alibi
+from flash_layers import lowering
+from flash_layers.contract import block_info, dropout, mask_rules, mods
+from flash_layers.contract.alibi import alibi
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.flash_pallas import kernel_mods, tpu_config
+from flash_layers.impls.flash_pallas import kernel_mods, scalar_table, tpu_config
 from flash_layers.impls.tiling import LANES, round_up
 
 # ----------------------------------------------------------------------------
@@ -187,8 +188,8 @@ def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   cfg = _config(request, args, interpret)
   q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
-  # Offsets, ALiBi slopes and dropout streams (kernel_table), in SMEM.
-  return cfg, q_pad, kv_pad, kernel_table.build(request, args, batch)
+  # Offsets, ALiBi slopes and dropout streams (scalar_table), in SMEM.
+  return cfg, q_pad, kv_pad, scalar_table.build(request, args, batch)
 
 
 def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
@@ -303,7 +304,7 @@ class _Grid:
 
   q-major (forward, dQ): (batch, heads / tile_heads, rows, steps). The *outer* blocks are q
     blocks; each has a range of visible kv blocks, [lo, lo + count), from the mask
-    (`masks.block_visibility`). A q tile holds ``tile_heads`` consecutive query heads of one GQA
+    (`block_info.block_visibility`). A q tile holds ``tile_heads`` consecutive query heads of one GQA
     group (forward and dQ with token-major operands; otherwise 1), which share each K/V tile.
   kv-major (dK/dV): (batch, kv heads, rows, steps, heads of the group): outer blocks are kv
     blocks, ranges of q blocks; every query head of the group is accumulated into the same
@@ -318,7 +319,7 @@ class _Grid:
 
   The plan is linear in the length: per (batch row if segment ids, outer block) the pair
   (lo, count), int32, flat in SMEM. Whether a tile is visible, and fully visible (no element
-  mask), is decided in the kernel by `masks.tile_visibility` on SMEM scalars: the offsets, and
+  mask), is decided in the kernel by `block_info.tile_visibility` on SMEM scalars: the offsets, and
   with segment ids each block's segment range and global-token flags (4 words per block).
   The first three grid axes are "parallel"; the rest accumulate in VMEM scratch, "arbitrary".
   """
@@ -411,19 +412,19 @@ class _Grid:
             self._spec((None, 1, self.block_kv), lambda b, h, kh, qb, kb: (b, 0, kb))]
 
   def _tile_visibility(self, cfg: _TpuCall, offsets_ref, plan_ref, tiles_ref, w: _Where):
-    """(visible, full) of this step's tile, from SMEM scalars (`masks.tile_visibility`)."""
+    """(visible, full) of this step's tile, from SMEM scalars (`block_info.tile_visibility`)."""
     bq, bk = self.block_q, self.block_kv
-    q_first = offsets_ref[kernel_table.Q_OFFSET] + w.q_block * bq
-    q_last = offsets_ref[kernel_table.Q_OFFSET] + jnp.minimum(w.q_block * bq + bq, cfg.request.q_len) - 1
-    kv_first = offsets_ref[kernel_table.KV_OFFSET] + w.kv_block * bk
-    kv_last = offsets_ref[kernel_table.KV_OFFSET] + jnp.minimum(w.kv_block * bk + bk, cfg.request.kv_len) - 1
+    q_first = offsets_ref[scalar_table.Q_OFFSET] + w.q_block * bq
+    q_last = offsets_ref[scalar_table.Q_OFFSET] + jnp.minimum(w.q_block * bq + bq, cfg.request.q_len) - 1
+    kv_first = offsets_ref[scalar_table.KV_OFFSET] + w.kv_block * bk
+    kv_last = offsets_ref[scalar_table.KV_OFFSET] + jnp.minimum(w.kv_block * bk + bk, cfg.request.kv_len) - 1
     q_info = kv_info = None
     if self.has_segments:  # 4 words per block: segment lo, hi, any global, all global
       at = (w.batch * self.num_q + w.q_block) * 4
-      q_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
+      q_info = block_info.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
       at = (self.batch * self.num_q + w.batch * self.num_kv + w.kv_block) * 4
-      kv_info = masks.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
-    visible, full = masks.tile_visibility(q_first, q_last, kv_first, kv_last, cfg.request.spec, q_info,
+      kv_info = block_info.BlockSegments(*(tiles_ref[at + i] for i in range(4)))
+    visible, full = block_info.tile_visibility(q_first, q_last, kv_first, kv_last, cfg.request.spec, q_info,
                                           kv_info)
     if self.plan_words == 4:  # a mask_mod: full only inside the outer block's run of full tiles
       outer, inner = (w.kv_block, w.q_block) if self.kv_major else (w.q_block, w.kv_block)
@@ -482,8 +483,8 @@ def _plan(cfg: _TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool, oper
   if not cfg.has_segments and cfg.static_offsets is not None and r.mask_mod is None:
     xp, seg, offs = np, (None, None), cfg.static_offsets
   else:
-    xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[kernel_table.Q_OFFSET], offsets[kernel_table.KV_OFFSET])
-  visible, full = masks.block_visibility(r.q_len, r.kv_len, block_q, block_kv, r.spec, *seg, *offs,
+    xp, seg, offs = jnp, (q_seg, kv_seg), (offsets[scalar_table.Q_OFFSET], offsets[scalar_table.KV_OFFSET])
+  visible, full = block_info.block_visibility(r.q_len, r.kv_len, block_q, block_kv, r.spec, *seg, *offs,
                                          xp=xp)
   if r.mask_mod is not None:
     if prebuilt is not None:  # a block_mask's flags, built once for every layer
@@ -527,8 +528,8 @@ def _grid(cfg: _TpuCall, blocks, q, k, q_seg, kv_seg, offsets, mod_inputs=((), N
   r = cfg.request
   if cfg.has_segments:
     tiles = jnp.concatenate([
-        jnp.stack(masks.block_segments(q_seg, r.q_len, block_q, r.spec), -1).reshape(-1),
-        jnp.stack(masks.block_segments(kv_seg, r.kv_len, block_kv, r.spec), -1).reshape(-1)])
+        jnp.stack(block_info.block_segments(q_seg, r.q_len, block_q, r.spec), -1).reshape(-1),
+        jnp.stack(block_info.block_segments(kv_seg, r.kv_len, block_kv, r.spec), -1).reshape(-1)])
   else:
     tiles = jnp.zeros((1,), jnp.int32)
   grid = _Grid(kv_major, cfg.has_segments, cfg.token_major, q.shape[0], r.num_heads,
@@ -578,8 +579,8 @@ def _tile(offsets_ref, step: _Step, shape, q_axis) -> _Tile:
   block_q, block_kv = shape[q_axis], shape[1 - q_axis]
   q_local = step.q_block * block_q + jax.lax.broadcasted_iota(jnp.int32, shape, q_axis)
   kv_local = step.kv_block * block_kv + jax.lax.broadcasted_iota(jnp.int32, shape, 1 - q_axis)
-  return _Tile(q_local, kv_local, offsets_ref[kernel_table.Q_OFFSET] + q_local,
-               offsets_ref[kernel_table.KV_OFFSET] + kv_local)
+  return _Tile(q_local, kv_local, offsets_ref[scalar_table.Q_OFFSET] + q_local,
+               offsets_ref[scalar_table.KV_OFFSET] + kv_local)
 
 
 class _Mod(NamedTuple):
@@ -598,7 +599,7 @@ def _mod(cfg: _TpuCall, operands: tuple, batch, head, tile: _Tile | None) -> _Mo
 
 def _tile_visible(cfg: _TpuCall, tile: _Tile, q_seg, kv_seg, mod: _Mod | None = None):
   """The element mask of one tile: the built-in rules, AND the mask_mod's verdict."""
-  ok = masks.visible(tile.q_pos, tile.kv_pos, cfg.request.spec, q_seg, kv_seg)
+  ok = mask_rules.visible(tile.q_pos, tile.kv_pos, cfg.request.spec, q_seg, kv_seg)
   if cfg.request.mask_mod is not None:
     ok = ok & mods.mask(cfg.request.mask_mod, mod.idx, mod.operands)
   # Padded tail positions see nothing and are seen by nothing (q_len % block_q etc. may be != 0).
@@ -610,7 +611,7 @@ def _alibi(cfg: _TpuCall, offsets_ref, head, tile: _Tile | None):
   pre-scaled logits (`_unit`: the scalar slope takes the factor), or None."""
   if not cfg.request.has_alibi:
     return None
-  slope = kernel_table.Table.of(cfg.request).slope(offsets_ref, head)
+  slope = scalar_table.Table.of(cfg.request).slope(offsets_ref, head)
   return alibi(slope * _unit(cfg), tile.q_pos, tile.kv_pos)
 
 
@@ -619,7 +620,7 @@ def _dropout(cfg: _TpuCall, offsets_ref, batch, head, tile: _Tile | None):
   positions with this (batch row, head)'s stream from SMEM."""
   if cfg.request.dropout_rate == 0:
     return None
-  stream = kernel_table.Table.of(cfg.request).stream(offsets_ref, batch, head)
+  stream = scalar_table.Table.of(cfg.request).stream(offsets_ref, batch, head)
   kept = dropout.keep(stream, tile.q_pos, tile.kv_pos, cfg.request.dropout_rate)
   return jnp.where(kept, jnp.float32(dropout.keep_scale(cfg.request.dropout_rate)), jnp.float32(0.0))
 
@@ -721,7 +722,8 @@ def _cost(cfg: _TpuCall, b, h, per_pair_flops, nbytes):
   """A CostEstimate from the analytic count of visible pairs (ignoring segment ids, not known
   while tracing: an upper bound for packed sequences)."""
   q_off, kv_off = cfg.static_offsets or (0, 0)
-  pairs = masks.count_visible(cfg.request.q_len, cfg.request.kv_len, cfg.request.spec, q_off, kv_off) * b * h
+  request = cfg.request
+  pairs = mask_rules.count_visible(request.q_len, request.kv_len, request.spec, q_off, kv_off) * b * h
   return pl.CostEstimate(flops=int(pairs * per_pair_flops),
                          transcendentals=int(pairs * (1 + (cfg.request.softcap is not None))),
                          bytes_accessed=int(nbytes))

@@ -18,7 +18,7 @@ measures both).
 
 Per-row query data (segment id, position within the step) come as lane-replicated ``[rows, 128]``
 int32 columns, the layout the forward kernel's segment column has: a ``[rows, 1]`` slice of them
-broadcasts against a ``[1, block_kv]`` row of key ids in `masks.visible`.
+broadcasts against a ``[1, block_kv]`` row of key ids in `mask_rules.visible`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from flash_layers import masks
+from flash_layers.contract import mask_rules
 from flash_layers.impls.base import Request
 from flash_layers.impls.flash_pallas import decode
 from flash_layers.impls.flash_pallas.tpu import _NN, _NT, _compiler_params, _dot, _interpret_arg
@@ -96,7 +96,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, row_pos_ref, *refs, call
     q_pos = offsets_ref[0] + row_pos_ref[:, :1]
     kv_pos = offsets_ref[1] + kv_local
     seg = (q_seg_ref[:, :1], kv_seg_ref[...]) if r.has_segment_ids else (None, None)
-    visible = masks.visible(q_pos, kv_pos, r.spec, *seg) & (kv_local < r.kv_len)
+    visible = mask_rules.visible(q_pos, kv_pos, r.spec, *seg) & (kv_local < r.kv_len)
     s = jnp.where(visible, s, -jnp.inf)
     # Online softmax, as in the forward kernel: rescale by exp2(m - m'), a row with nothing visible
     # yet shifts by 0 so its p and rescale factor are exactly 0.
@@ -157,7 +157,7 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
   out_shape = [jax.ShapeDtypeStruct((b, kvh, splits, rows_pad, dv), jnp.float32),
                jax.ShapeDtypeStruct((b, kvh, splits, rows_pad, LANES), jnp.float32)]
   q_off, kv_off = call.static_offsets or (0, 0)
-  pairs = b * r.num_heads * masks.count_visible(r.q_len, r.kv_len, r.spec, q_off, kv_off)
+  pairs = b * r.num_heads * mask_rules.count_visible(r.q_len, r.kv_len, r.spec, q_off, kv_off)
   itemsize = jnp.dtype(q.dtype).itemsize
   cost = pl.CostEstimate(
       flops=int(2 * pairs * (d + dv)), transcendentals=int(pairs * (1 + (r.softcap is not None))),

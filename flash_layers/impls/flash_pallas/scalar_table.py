@@ -19,7 +19,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dropout
+from flash_layers.contract import dropout
 
 Q_OFFSET, KV_OFFSET, SLOPES = 0, 1, 2
 

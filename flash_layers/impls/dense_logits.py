@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers.alibi import alibi
+from flash_layers.contract.alibi import alibi
 from flash_layers.impls.base import Args
 
 

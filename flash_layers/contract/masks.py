@@ -3,12 +3,12 @@
 Each is a small frozen dataclass, so two equal ones hash equal (a jitted model does not retrace
 for a new but equal mask) and print what they are (`fl.explain` names them). All are called as
 ``mod(b, h, q_idx, kv_idx, *mod_operands)`` with global int32 index arrays that broadcast
-(flash_layers/mods.py), and ignore operands they do not read. Compose them with `all_of` (AND)
+(`contract.mods`), and ignore operands they do not read. Compose them with `all_of` (AND)
 and `any_of` (OR). They are reached as ``fl.masks.causal()`` and so on.
 
 The built-in arguments (``causal=True``, ``window=``, ``segment_ids=``, ``global_tokens=``) keep
 their own arithmetic block plans; a mask_mod's block sparsity comes from evaluating it on the
-tile grid (`mods.tile_flags`). Passing `causal()` as a mask_mod gives the same output as
+tile grid (`block_info.tile_flags`). Passing `causal()` as a mask_mod gives the same output as
 ``causal=True`` (tests/test_mask_mods.py).
 """
 

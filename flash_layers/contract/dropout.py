@@ -10,7 +10,7 @@ call is the same under every impl, platform, block size, chunking, mesh and
 ring layout: each computes `keep` on the positions it holds, from global
 offsets. Nothing of size [q_len, kv_len] is stored: kernels hash the tile they
 are working on, forward and backward alike. The kernels read each (row, head)'s
-stream from `kernel_table`.
+stream from `scalar_table`.
 """
 
 from __future__ import annotations

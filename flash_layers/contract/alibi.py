@@ -2,7 +2,7 @@
 
 Positions are global (a query offset, a ring shard or a sequence shard sees the same term), and
 every impl computes the term from positions alone: the kernels per tile, the dense impls through
-`scores.dense_terms`. The slopes reach the kernels through `kernel_table`.
+`dense_logits.dense_terms`. The slopes reach the kernels through `scalar_table`.
 """
 
 from __future__ import annotations

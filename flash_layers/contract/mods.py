@@ -14,14 +14,13 @@ Where they act (the contract's order, docs/contract.md): logits = scale * q.k + 
 ``score_mod``, then the softcap, then the mask (the built-in rules AND ``mask_mod``), softmax.
 
 This module holds what every impl shares: the checks (`check`), the index arrays of a dense layout
-(`dense_indices`), the calls (`mask`, `score`, `score_vjp`) and a mask_mod's tile flags for block
-sparsity (`tile_flags`). The named mask_mods users compose are in `flash_layers.mask_mods`
+(`dense_indices`) and the calls (`mask`, `score`, `score_vjp`). A mask_mod's tile flags for block
+sparsity are `block_info.tile_flags`; the named mask_mods users compose are in `contract.masks`
 (`fl.masks.causal()`, ...).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -138,55 +137,3 @@ def zero_grads(operands: tuple) -> tuple:
 def cast_grads(grads: tuple, operands: tuple) -> tuple:
   """Operand gradients in their operands' dtypes (None stays None)."""
   return tuple(None if d is None else d.astype(x.dtype) for d, x in zip(grads, operands, strict=True))
-
-
-def tile_flags(mask_mod: Callable, operands: tuple, *, batch: int, heads, batch_offset, q_offset,
-               kv_offset, q_len: int, kv_len: int, block_q: int, block_kv: int, num_q_blocks: int,
-               num_kv_blocks: int) -> tuple[jax.Array, jax.Array]:
-  """(any, all): bool [b|1, nq, nk] (1: the mask does not read the row). Does the tile hold a pair
-  mask_mod shows (for some head in ``heads``)? Are all its pairs shown (for every head, none of them
-  padding)?
-
-  Evaluated one q block at a time (`lax.map`), so the memory is one block's [b, h, block_q, kv]
-  verdicts, never [q_len, kv_len]. Positions past q_len/kv_len are padding: never shown.
-  """
-  rows = batch_offset + jnp.arange(batch, dtype=jnp.int32)
-  kv_local = jnp.arange(num_kv_blocks * block_kv, dtype=jnp.int32)
-  heads = jnp.asarray(heads, jnp.int32)
-
-  def one(qb):
-    q_local = qb * block_q + jnp.arange(block_q, dtype=jnp.int32)
-    idx = Indices(rows.reshape(-1, 1, 1, 1), heads.reshape(1, -1, 1, 1),
-                  (q_offset + q_local)[:, None], (kv_offset + kv_local)[None, :])
-    shown = mask(mask_mod, idx, operands)  # [b|1, h|1, bq|1, kv|1]: reduced as it comes, not broadcast
-    shown = shown & (q_local < q_len)[:, None] & (kv_local < kv_len)[None, :]
-    rows_, heads_ = shown.shape[0], shown.shape[1]
-    shown = shown.reshape(rows_, heads_, block_q, num_kv_blocks, block_kv)
-    return shown.any((1, 2, 4)), shown.all((1, 2, 4))  # [b|1, nk]
-
-  any_, all_ = jax.lax.map(one, jnp.arange(num_q_blocks, dtype=jnp.int32))  # [nq, b|1, nk]
-  return jnp.swapaxes(any_, 0, 1), jnp.swapaxes(all_, 0, 1)  # [b|1, nq, nk]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class BlockMask:
-  """A mask_mod evaluated on a tile grid once, for every layer of a model to reuse (`block_mask`).
-
-  ``any`` / ``all``: bool [b|1, nq, nk], the tiles holding a pair the mask shows / holding only such
-  pairs (over the heads it was built for). Memory: 2 * nq * nk bytes per row (1 row when the mask
-  does not read the row): 32 KiB for a 32k x 32k grid of 512 x 512 tiles.
-  """
-
-  any: jax.Array
-  all: jax.Array
-  mask_mod: Any = dataclasses.field(metadata={"static": True})
-  q_len: int = dataclasses.field(metadata={"static": True})
-  kv_len: int = dataclasses.field(metadata={"static": True})
-  block_q: int = dataclasses.field(metadata={"static": True})
-  block_kv: int = dataclasses.field(metadata={"static": True})
-
-  @property
-  def tiles_visited(self) -> jax.Array:
-    return self.any.sum()
-
