@@ -22,6 +22,7 @@ from safetensors.numpy import load_file
 from test_training import _env, _write_dataset
 
 from flash_layers import export, models
+from flash_layers.models import export as model_export
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 GOLDEN = REPO / "tests" / "golden" / "hf_tiny"
@@ -189,11 +190,11 @@ def test_refusals_name_what_is_wrong(tmp_path):
     export.export_model(model, {}, tmp_path / "a", label_names=[], tokenizer="listops")
   model = _bert(attention_window=4)
   with pytest.raises(ValueError, match="model.attention_window=4 cannot be exported"):
-    export.check_exportable(model, "bert")
+    model_export.check_exportable(model, "bert")
   model = _bert()
   with pytest.raises(ValueError, match="label_names must be 3 distinct names"):
     export.export_model(model, _random_params(model), tmp_path / "b", label_names=["a", "a", "b"],
-                        tokenizer="listops")
+                  tokenizer="listops")
   export.export_model(model, _random_params(model), tmp_path / "c", label_names=LABELS, tokenizer="listops")
   with pytest.raises(FileExistsError, match="already holds an export"):
     export.export_model(model, _random_params(model), tmp_path / "c", label_names=LABELS, tokenizer="listops")
