@@ -41,7 +41,7 @@ import jax.numpy as jnp
 
 from flash_layers.contract import block_info, dropout, mask_rules, mods
 from flash_layers.contract.alibi import alibi
-from flash_layers.impls import cpu_loop
+from flash_layers.impls import cpu_loop, dense_logits
 from flash_layers.impls.base import Args, Request
 from flash_layers.impls.tiling import CpuBlockSizes, pad_to
 
@@ -186,15 +186,11 @@ class _Row:
     return s
 
   def logits(self, q_blk, k_blk, qb, kb):
-    """float32 [kvh, g, bq, bk]: `unmodded`, then score_mod, soft-capped. Also returns tanh for the
-    softcap's derivative."""
-    s = self.unmodded(q_blk, k_blk, qb, kb)
-    if self.st.request.score_mod is not None:
-      s = mods.score(self.st.request.score_mod, s, self.mod_indices(qb, kb), self.ops)
-    if self.st.request.softcap is None:
-      return s, None
-    t = jnp.tanh(s / self.st.request.softcap)
-    return self.st.request.softcap * t, t
+    """float32 [kvh, g, bq, bk]: `unmodded`, then score_mod, soft-capped (the dense impls' step,
+    `dense_logits.logits`, on a tile). Also returns tanh for the softcap's derivative."""
+    request = self.st.request
+    indices = None if request.score_mod is None else self.mod_indices(qb, kb)
+    return dense_logits.logits(self.unmodded(q_blk, k_blk, qb, kb), request, None, indices, self.ops)
 
 
 def _forward_row(st: _ChunkedCall, q, k, v, q_seg, kv_seg, kv_index, kv_count, kv_full, dense, bias, slopes,

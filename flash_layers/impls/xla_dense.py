@@ -52,10 +52,9 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import lowering
-from flash_layers.contract import dropout, mask_rules, mods
+from flash_layers.contract import dropout, mods
 from flash_layers.impls import cpu_loop, dense_logits
 from flash_layers.impls.base import Args, Request
-from flash_layers.impls.reference import dense_keep
 
 # Keys per chunk of the decoding forward: a [4, 512, 12, 64] float32 chunk of K is 6 MiB, so a step's chunks
 # stream through the caches and an 8,192-slot cache is 16 trips of the loop.
@@ -156,9 +155,7 @@ def _dense_bounded(st, q, k, v, mask):
     start = i * DECODE_CHUNK
     k_c = jax.lax.dynamic_slice_in_dim(k, start, DECODE_CHUNK, axis=1)
     v_c = jax.lax.dynamic_slice_in_dim(v, start, DECODE_CHUNK, axis=1)
-    s_c = _einsum(st, "btkgd,bskd->bkgts", q, k_c)
-    if st.request.softcap is not None:
-      s_c = st.request.softcap * jnp.tanh(s_c / st.request.softcap)
+    s_c, _ = dense_logits.logits(_einsum(st, "btkgd,bskd->bkgts", q, k_c), st.request)
     s_c = jnp.where(jax.lax.dynamic_slice_in_dim(mask, start, DECODE_CHUNK, axis=mask.ndim - 1), s_c,
                     -jnp.inf)
     m_new = jnp.maximum(m, s_c.max(-1))
@@ -180,22 +177,11 @@ def _dense_bounded(st, q, k, v, mask):
 def _logits(st, q, k, mask, extra, mod):
   """(scale * q, the masked (capped) logits [b, kvh, (g), t, s], tanh of the softcap or None)."""
   q = q * st.request.scale
-  s = _unmodded(st, q, k, extra)
-  if st.request.score_mod is not None:
-    s = mods.score(st.request.score_mod, s, mod.idx, mod.operands)
-  tanh = None
-  if st.request.softcap is not None:
-    tanh = jnp.tanh(s / st.request.softcap)
-    s = st.request.softcap * tanh
+  idx, ops = (None, ()) if mod is None else (mod.idx, mod.operands)
+  s, tanh = dense_logits.logits(_einsum(st, "btkgd,bskd->bkgts", q, k), st.request, extra, idx, ops)
   if mask is not None:
     s = jnp.where(mask, s, -jnp.inf)
   return q, s, tanh
-
-
-def _unmodded(st, q_scaled, k, extra):
-  """scale * q.k + extra: the logits score_mod receives."""
-  s = _einsum(st, "btkgd,bskd->bkgts", q_scaled, k)
-  return s if extra is None else s + extra
 
 
 def _dense_fwd(st, q, k, v, mask, extra, keep, mod):
@@ -240,7 +226,8 @@ def _grads(st, q, k, v, p, inv, tanh, extra, keep, mod, dout, delta):
     ds = ds * (1.0 - tanh * tanh)
   d_ops = None
   if st.request.score_mod is not None:  # through score_mod, at the logits it received
-    ds, d_ops = mods.score_vjp(st.request.score_mod, _unmodded(st, q, k, extra), mod.idx, mod.operands, ds)
+    unmodded = dense_logits.unmodded(_einsum(st, "btkgd,bskd->bkgts", q, k), extra)
+    ds, d_ops = mods.score_vjp(st.request.score_mod, unmodded, mod.idx, mod.operands, ds)
     d_ops = mods.cast_grads(d_ops, mod.operands)
   dq = _einsum(st, "bkgts,bskd->btkgd", ds, k) * st.request.scale
   dk = _einsum(st, "bkgts,btkgd->bskd", ds, q)
@@ -252,53 +239,6 @@ def _grads(st, q, k, v, p, inv, tanh, extra, keep, mod, dout, delta):
 
 
 _dense.defvjp(_dense_fwd, _dense_bwd)
-
-
-def _mask(request: Request, args: Args, group: int):
-  """bool broadcastable to the logits [b, kvh, (g), t, s], or None when every pair is visible."""
-  t, s = request.q_len, request.kv_len
-  mask = None
-  if request.spec.causal or request.spec.window is not None or request.has_segment_ids:
-    mask = mask_rules.dense_mask(t, s, request.spec, args.q_segment_ids, args.kv_segment_ids,
-                            args.q_offset, args.kv_offset)[:, None, None]  # [b|1, 1, 1, t, s]
-  if args.dense_mask is not None:
-    dm = args.dense_mask  # [b|1, h|1, t|1, s|1] -> [b|1, kvh|1, g|1, t, s]
-    heads = dm.shape[1]
-    dm = jnp.broadcast_to(dm, (dm.shape[0], heads, t, s))
-    dm = dm.reshape(dm.shape[0], heads // group if heads > 1 else 1, group if heads > 1 else 1, t, s)
-    mask = dm if mask is None else mask & dm
-  if mask is not None and group == 1:
-    mask = mask[:, :, 0]
-  if request.mask_mod is not None:  # [b|1, kvh|1, (g|1), t|1, s|1], the logits' layout
-    shown = mods.mask(request.mask_mod, _indices(request, args), args.mod_operands)
-    mask = shown if mask is None else mask & shown
-  return mask
-
-
-def _indices(request: Request, args: Args) -> mods.Indices:
-  """The global indices of the logits [b, kvh, (g), t, s] (the g axis only when group > 1)."""
-  kvh = request.num_kv_heads
-  group = request.num_heads // kvh
-  return mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
-                            request.batch, kvh, group, request.q_len, request.kv_len, grouped=group > 1)
-
-
-def _grouped(x, group: int):
-  """[b|1, h|1, t, s] -> [b|1, kvh|1, (g|1), t, s], the logits' layout."""
-  if group == 1:
-    return x
-  heads = x.shape[1]
-  return x.reshape(x.shape[0], heads // group if heads > 1 else 1, group if heads > 1 else 1, *x.shape[2:])
-
-
-def _extra(args: Args, b: int, h: int, t: int, s: int, group: int):
-  """ALiBi + bias as one float32 term broadcastable to the logits, or None."""
-  extra = dense_logits.dense_terms(args, t, s)  # [b|1, h|1, t, s]
-  if extra is None:
-    return None
-  if extra.shape[1] == 1 or group == 1:
-    return extra if group == 1 else extra[:, :, None]
-  return _grouped(extra, group)
 
 
 class XlaDense:
@@ -365,12 +305,9 @@ def _operands(q, k, v, request: Request, args: Args):
   b, t, h, d = q.shape
   kvh = k.shape[2]
   group = h // kvh
-  s = k.shape[1]
   st = _DenseCall(request=request)
   qg = q.reshape(b, t, kvh, group, d) if group > 1 else q
   f32 = tuple(x.astype(jnp.float32) for x in (qg, k, v))
-  keep = None
-  if request.has_dropout:
-    keep = _grouped(dense_keep(request, args, b, h, t, s), group)  # [b|1, h|1, t, s] grouped
-  mod = None if request.score_mod is None else _Mod(_indices(request, args), args.mod_operands)
-  return st, f32, _mask(request, args, group), _extra(args, b, h, t, s, group), keep, mod
+  terms = dense_logits.terms(request, args, grouped=group > 1)
+  mod = None if request.score_mod is None else _Mod(terms.indices, args.mod_operands)
+  return st, f32, terms.mask, terms.extra, terms.keep, mod

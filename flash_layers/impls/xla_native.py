@@ -18,7 +18,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from flash_layers.contract import mask_rules, mods
 from flash_layers.impls import dense_logits
 from flash_layers.impls.base import Args, Request
 
@@ -30,11 +29,6 @@ def _uses_plain_causal(request: Request, args: Args) -> bool:
       args.q_offset == args.kv_offset == 0)
   return (request.spec.window is None and not request.has_segment_ids
           and args.dense_mask is None and request.mask_mod is None and static_zero)
-
-
-def _bias(request: Request, args: Args, q_len: int, kv_len: int):
-  """alibi + bias as one float32 array broadcastable to [b, h, q, kv], or None."""
-  return dense_logits.dense_terms(args, q_len, kv_len)
 
 
 class XlaNative:
@@ -61,25 +55,18 @@ class XlaNative:
     return "cudnn" if cudnn_ok else "xla"
 
   def attend(self, q, k, v, *, request: Request, args: Args):
+    terms = dense_logits.terms(request, args, grouped=False)  # [b, h, t, s]: jax.nn's layout
     mask = None
     is_causal = request.spec.causal
     if not _uses_plain_causal(request, args):
       is_causal = False
-      mask = mask_rules.dense_mask(q.shape[1], k.shape[1], request.spec, args.q_segment_ids,
-                              args.kv_segment_ids, args.q_offset, args.kv_offset)[:, None]
-      if args.dense_mask is not None:
-        mask = mask & args.dense_mask
-      if request.mask_mod is not None:  # evaluated densely: [b|1, h|1, t|1, s|1]
-        b, t, h, _ = q.shape
-        idx = mods.dense_indices(args.batch_offset, args.head_offset, args.q_offset, args.kv_offset,
-                                 b, h, 1, t, k.shape[1], grouped=False)
-        mask = mask & mods.mask(request.mask_mod, idx, args.mod_operands)
+      mask = terms.mask
     dtype = q.dtype
     if q.shape[0] * q.shape[1] * q.shape[2] * k.shape[1] == 1 and dtype != jnp.float32:
       # XLA:CPU cannot emit a half-precision dot with no free dimension ("ALG_DOT_BF16_BF16_F32
       # not supported by the ElementalIrEmitter"); a single-element call costs nothing in float32.
       q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
-    bias = _bias(request, args, q.shape[1], k.shape[1])
+    bias = terms.extra  # ALiBi + bias, float32
     if bias is not None and dtype != jnp.float32:
       bias = bias.astype(dtype)  # XLA adds it to logits of the input dtype
     with jax.default_matmul_precision(request.precision.name.lower()):

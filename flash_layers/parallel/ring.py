@@ -165,92 +165,95 @@ def _merge(out_acc, lse_acc, out, lse):
 # ----------------------------------------------------------------------------
 
 def _ring(config: RingConfig):
-  r = config.request
-  n, chunks = config.size, config.chunks
-
-  def forward(q, k, v, q_seg, kv_seg, extras):
-    me = jax.lax.axis_index(config.axis)
-    q_offs = _offsets(me, config, r.q_len)
-    b, t, h, _ = q[0].shape
-    dv = v[0].shape[-1]
-
-    def empty(*_):
-      return (jnp.zeros((b, t, h, dv), q[0].dtype), jnp.full((b, h, t), -jnp.inf, jnp.float32))
-
-    def compute(step, k, v, kv_seg, out_acc, lse_acc):
-      kv_offs = _offsets((me - step) % n, config, r.kv_len)
-      out_acc, lse_acc = list(out_acc), list(lse_acc)
-      for a in range(chunks):
-        for c in range(chunks):
-          qs, ks = q_seg[a], kv_seg[c]
-          attend = functools.partial(_attend_pair, config, extras)
-          part = jax.lax.cond(_pair_visible(config, q_offs[a], kv_offs[c], qs, ks), attend, empty,
-                              q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
-          out_acc[a], lse_acc[a] = _merge(out_acc[a], lse_acc[a], *part)
-      return out_acc, lse_acc
-
-    def step_fn(carry, step):
-      k, v, kv_seg, out_acc, lse_acc = carry
-      out_acc, lse_acc = compute(step, k, v, kv_seg, out_acc, lse_acc)
-      return (*_rotate((k, v, kv_seg), config), out_acc, lse_acc), None
-
-    out0 = [jnp.zeros((b, t, h, dv), jnp.float32) for _ in range(chunks)]
-    lse0 = [jnp.full((b, h, t), -jnp.inf, jnp.float32) for _ in range(chunks)]
-    (_, _, _, out_acc, lse_acc), _ = jax.lax.scan(step_fn, (k, v, kv_seg, out0, lse0), jnp.arange(n))
-    return [o.astype(q[0].dtype) for o in out_acc], lse_acc
-
   @jax.custom_vjp
   def ring(q, k, v, q_seg, kv_seg, extras):
-    return forward(q, k, v, q_seg, kv_seg, extras)
+    return _ring_forward(config, q, k, v, q_seg, kv_seg, extras)
 
   def ring_fwd(q, k, v, q_seg, kv_seg, extras):
-    out, lse = forward(q, k, v, q_seg, kv_seg, extras)
+    out, lse = _ring_forward(config, q, k, v, q_seg, kv_seg, extras)
     return (out, lse), (q, k, v, q_seg, kv_seg, extras, out, lse)
 
-  def ring_bwd(residuals, cotangents):
-    q, k, v, q_seg, kv_seg, extras, out, lse = residuals
-    d_out, d_lse = cotangents
-    me = jax.lax.axis_index(config.axis)
-    q_offs = _offsets(me, config, r.q_len)
-    # D = <d out, out> - d lse per row, [b, h, t], of the global output and normaliser.
-    delta = [jnp.swapaxes(jnp.sum(d_out[a].astype(jnp.float32) * out[a].astype(jnp.float32), -1), 1, 2)
-             - d_lse[a] for a in range(chunks)]
-    f32_zeros = lambda xs: [jnp.zeros(x.shape, jnp.float32) for x in xs]  # noqa: E731
-
-    def pair_grads(q_a, k_c, v_c, qs, ks, qo, ko, d_out_a, delta_a, lse_a):
-      seed, batch_offset, head_offset, slopes = extras
-      args = Args(q_segment_ids=qs, kv_segment_ids=ks, q_offset=qo, kv_offset=ko,
-                  dropout_seed=seed, batch_offset=batch_offset, head_offset=head_offset,
-                  alibi_slopes=slopes)
-      grads = dispatch.attend_backward(q_a, k_c, v_c, lse_a, delta_a, d_out_a, impl=config.impl,
-                                       request=r, args=args)
-      return tuple(g.astype(jnp.float32) for g in grads)
-
-    def no_grads(q_a, k_c, v_c, *_):
-      return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_a, k_c, v_c))
-
-    def compute(step, k, v, kv_seg, dk, dv, dq):
-      kv_offs = _offsets((me - step) % n, config, r.kv_len)
-      dk, dv, dq = list(dk), list(dv), list(dq)
-      for a in range(chunks):
-        for c in range(chunks):
-          qs, ks = q_seg[a], kv_seg[c]
-          gq, gk, gv = jax.lax.cond(
-              _pair_visible(config, q_offs[a], kv_offs[c], qs, ks), pair_grads, no_grads,
-              q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c], d_out[a], delta[a], lse[a])
-          dq[a], dk[c], dv[c] = dq[a] + gq, dk[c] + gk, dv[c] + gv
-      return dk, dv, dq
-
-    def step_fn(carry, step):
-      k, v, kv_seg, dk, dv, dq = carry
-      dk, dv, dq = compute(step, k, v, kv_seg, dk, dv, dq)
-      return (*_rotate((k, v, kv_seg, dk, dv), config), dq), None
-
-    # After n hops every dK/dV block (and its K/V) is home again.
-    (_, _, _, dk, dv, dq), _ = jax.lax.scan(
-        step_fn, (k, v, kv_seg, f32_zeros(k), f32_zeros(v), f32_zeros(q)), jnp.arange(n))
-    cast = lambda gs, xs: [g.astype(x.dtype) for g, x in zip(gs, xs, strict=True)]  # noqa: E731
-    return cast(dq, q), cast(dk, k), cast(dv, v), None, None, None
-
-  ring.defvjp(ring_fwd, ring_bwd)
+  ring.defvjp(ring_fwd, functools.partial(_ring_backward, config))
   return ring
+
+
+def _ring_forward(config: RingConfig, q, k, v, q_seg, kv_seg, extras):
+  """Each chunk's (out, lse), merged over the ring's n steps: K/V travel, queries stay."""
+  r, n, chunks = config.request, config.size, config.chunks
+  me = jax.lax.axis_index(config.axis)
+  q_offs = _offsets(me, config, r.q_len)
+  b, t, h, _ = q[0].shape
+  dv = v[0].shape[-1]
+
+  def empty(*_):
+    return (jnp.zeros((b, t, h, dv), q[0].dtype), jnp.full((b, h, t), -jnp.inf, jnp.float32))
+
+  def compute(step, k, v, kv_seg, out_acc, lse_acc):
+    kv_offs = _offsets((me - step) % n, config, r.kv_len)
+    out_acc, lse_acc = list(out_acc), list(lse_acc)
+    for a in range(chunks):
+      for c in range(chunks):
+        qs, ks = q_seg[a], kv_seg[c]
+        attend = functools.partial(_attend_pair, config, extras)
+        part = jax.lax.cond(_pair_visible(config, q_offs[a], kv_offs[c], qs, ks), attend, empty,
+                            q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c])
+        out_acc[a], lse_acc[a] = _merge(out_acc[a], lse_acc[a], *part)
+    return out_acc, lse_acc
+
+  def step_fn(carry, step):
+    k, v, kv_seg, out_acc, lse_acc = carry
+    out_acc, lse_acc = compute(step, k, v, kv_seg, out_acc, lse_acc)
+    return (*_rotate((k, v, kv_seg), config), out_acc, lse_acc), None
+
+  out0 = [jnp.zeros((b, t, h, dv), jnp.float32) for _ in range(chunks)]
+  lse0 = [jnp.full((b, h, t), -jnp.inf, jnp.float32) for _ in range(chunks)]
+  (_, _, _, out_acc, lse_acc), _ = jax.lax.scan(step_fn, (k, v, kv_seg, out0, lse0), jnp.arange(n))
+  return [o.astype(q[0].dtype) for o in out_acc], lse_acc
+
+
+def _ring_backward(config: RingConfig, residuals, cotangents):
+  """dq, dk, dv from the global lse and D: dK/dV travel with their K/V and are home after n hops."""
+  r, n, chunks = config.request, config.size, config.chunks
+  q, k, v, q_seg, kv_seg, extras, out, lse = residuals
+  d_out, d_lse = cotangents
+  me = jax.lax.axis_index(config.axis)
+  q_offs = _offsets(me, config, r.q_len)
+  # D = <d out, out> - d lse per row, [b, h, t], of the global output and normaliser.
+  delta = [jnp.swapaxes(jnp.sum(d_out[a].astype(jnp.float32) * out[a].astype(jnp.float32), -1), 1, 2)
+           - d_lse[a] for a in range(chunks)]
+  f32_zeros = lambda xs: [jnp.zeros(x.shape, jnp.float32) for x in xs]  # noqa: E731
+
+  def pair_grads(q_a, k_c, v_c, qs, ks, qo, ko, d_out_a, delta_a, lse_a):
+    seed, batch_offset, head_offset, slopes = extras
+    args = Args(q_segment_ids=qs, kv_segment_ids=ks, q_offset=qo, kv_offset=ko,
+                dropout_seed=seed, batch_offset=batch_offset, head_offset=head_offset,
+                alibi_slopes=slopes)
+    grads = dispatch.attend_backward(q_a, k_c, v_c, lse_a, delta_a, d_out_a, impl=config.impl,
+                                     request=r, args=args)
+    return tuple(g.astype(jnp.float32) for g in grads)
+
+  def no_grads(q_a, k_c, v_c, *_):
+    return tuple(jnp.zeros(x.shape, jnp.float32) for x in (q_a, k_c, v_c))
+
+  def compute(step, k, v, kv_seg, dk, dv, dq):
+    kv_offs = _offsets((me - step) % n, config, r.kv_len)
+    dk, dv, dq = list(dk), list(dv), list(dq)
+    for a in range(chunks):
+      for c in range(chunks):
+        qs, ks = q_seg[a], kv_seg[c]
+        gq, gk, gv = jax.lax.cond(
+            _pair_visible(config, q_offs[a], kv_offs[c], qs, ks), pair_grads, no_grads,
+            q[a], k[c], v[c], qs, ks, q_offs[a], kv_offs[c], d_out[a], delta[a], lse[a])
+        dq[a], dk[c], dv[c] = dq[a] + gq, dk[c] + gk, dv[c] + gv
+    return dk, dv, dq
+
+  def step_fn(carry, step):
+    k, v, kv_seg, dk, dv, dq = carry
+    dk, dv, dq = compute(step, k, v, kv_seg, dk, dv, dq)
+    return (*_rotate((k, v, kv_seg, dk, dv), config), dq), None
+
+  # After n hops every dK/dV block (and its K/V) is home again.
+  (_, _, _, dk, dv, dq), _ = jax.lax.scan(
+      step_fn, (k, v, kv_seg, f32_zeros(k), f32_zeros(v), f32_zeros(q)), jnp.arange(n))
+  cast = lambda gs, xs: [g.astype(x.dtype) for g, x in zip(gs, xs, strict=True)]  # noqa: E731
+  return cast(dq, q), cast(dk, k), cast(dv, v), None, None, None

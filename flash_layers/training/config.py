@@ -221,7 +221,21 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   num_slices: how many slices they form (default: from jax.devices()' slice_index).
   check_data: False for the TPU dry run, which never reads data.
   """
-  m, t, d, k = config.model, config.train, config.data, config.checkpoint
+  m = config.model
+  _validate_model(config)
+  _validate_train(config)
+  _validate_checkpoint(config)
+  if check_data and m.pretrained:
+    _check_position_table(m)
+  if check_data or not m.pretrained:  # (a pretrained rate is read from the checkpoint)
+    check_attention_dropout(m, attention_dropout(config))
+
+  _validate_data(config, check_data)
+  _validate_mesh(config, num_devices, num_slices)
+
+
+def _validate_model(config: ml_collections.ConfigDict) -> None:
+  m = config.model
   _choice(m.impl, "model.impl", ("auto", *IMPLS))
   _positive_int(config, "model.max_len")
   _choice(m.pooling, "model.pooling", models.POOLINGS)
@@ -243,6 +257,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   _optional_positive_int(config, "model.vocab_size")
   _optional_positive_int(config, "model.num_labels")
 
+
+def _validate_train(config: ml_collections.ConfigDict) -> None:
+  t = config.train
   _positive_int(config, "train.num_steps")
   _positive_int(config, "train.batch_size")
   _positive_int(config, "train.grad_accum_steps")
@@ -264,6 +281,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _fail("train.grad_accum_steps", f"must divide train.batch_size={t.batch_size}; "
           f"got {t.grad_accum_steps}")
 
+
+def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
+  k = config.checkpoint
   _positive_int(config, "checkpoint.every_steps")
   _positive_int(config, "checkpoint.max_to_keep")
   _choice(k.best_metric, "checkpoint.best_metric", BEST_METRICS)
@@ -272,11 +292,9 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
     _fail("compilation_cache_dir", f"must be a directory or '' (no cache); "
           f"got {config.compilation_cache_dir!r}")
 
-  if check_data and m.pretrained:
-    _check_position_table(m)
-  if check_data or not m.pretrained:  # (a pretrained rate is read from the checkpoint)
-    check_attention_dropout(m, attention_dropout(config))
 
+def _validate_data(config: ml_collections.ConfigDict, check_data: bool) -> None:
+  d = config.data
   _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
   _choice(d.window_aggregation, "data.window_aggregation", data_lib.AGGREGATIONS)
   _positive_int(config, "data.max_docs_per_row")
@@ -295,8 +313,6 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   if check_data and not named_tokenizer and not os.path.exists(d.tokenizer):
     _fail("data.tokenizer", f"{d.tokenizer!r} does not exist (use 'minilm', 'listops', a tokenizer.json "
           "or a directory holding one)")
-
-  _validate_mesh(config, num_devices, num_slices)
 
 
 def attention_dropout(config: ml_collections.ConfigDict) -> float:
