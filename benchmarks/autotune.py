@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flash_layers import dispatch, lowering
+from flash_layers import auto, lowering
 from flash_layers.impls.base import Request
 from flash_layers.tuning import cache, tuner
 
@@ -58,7 +58,7 @@ def recorded_calls():
   """Inside: every attention call traced on this platform is appended to the yielded list as
   (impl, request) (the request without block sizes; "autotune" counts as the defaults)."""
   calls: list[tuple[str, Request]] = []
-  original = dispatch.choose
+  original = auto.choose
   here = lowering.default_platform()
 
   def recording(impl, request, platform):
@@ -69,11 +69,11 @@ def recorded_calls():
         calls.append((impl, plain))
     return original(impl, request, platform)
 
-  dispatch.choose = recording
+  auto.choose = recording
   try:
     yield calls
   finally:
-    dispatch.choose = original
+    auto.choose = original
 
 
 def tune_calls(calls: list[tuple[str, Request]], mode: str, *, cache_dir=None, force: bool = False,

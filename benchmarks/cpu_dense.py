@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.impls import REGISTRY
 
 FLAX = "flax"
@@ -60,7 +60,7 @@ def attention_fn(variant: str, mask_kind: str, batch: int, length: int) -> Calla
     impl = REGISTRY[variant[:-len(WHOLE)]]
 
     def whole(q, k, v):
-      request, args = dispatch.prepare(q, k, v, **kwargs)
+      request, args = validate.prepare(q, k, v, **kwargs)
       return impl._attend(q, k, v, request=request, args=args)[0]
     return whole
   return lambda q, k, v: fl.attention(q, k, v, impl=variant, **kwargs)

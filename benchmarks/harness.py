@@ -33,7 +33,7 @@ import numpy as np
 
 import flash_layers as fl
 from benchmarks import cases
-from flash_layers import dispatch, host, lowering
+from flash_layers import auto, host, lowering, validate
 from flash_layers.impls import REGISTRY, registry
 
 LENGTHS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -157,8 +157,8 @@ def _block_stats(impl: str, q, k, v, kwargs, target: Target) -> tuple[str, int |
     info = fl.explain(q, k, v, impl=impl, **kwargs)
     return info.kernel, info.blocks_visited, info.blocks_total
   # fl.explain answers for the local platform; an AOT target asks the impl about its own.
-  request, args = dispatch.prepare(q, k, v, **kwargs)
-  name, _ = dispatch.resolve(impl, request, target.platform)
+  request, args = validate.prepare(q, k, v, **kwargs)
+  name, _ = auto.resolve(impl, request, target.platform)
   chosen = REGISTRY[name]
   stats = registry.method(name, "block_stats")
   visited, total = (stats(request, args, target.platform) or (None, None)) if stats else (None, None)

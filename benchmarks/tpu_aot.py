@@ -101,7 +101,7 @@ def compile_step(args) -> dict:
   from jax.experimental import topologies
 
   import flash_layers as fl
-  from flash_layers import dispatch, host
+  from flash_layers import host, validate
   from flash_layers.contract import mask_rules
   from flash_layers.impls import jax_splash
   from flash_layers.impls.flash_pallas import tpu_config
@@ -134,7 +134,7 @@ def compile_step(args) -> dict:
   pairs = mask_rules.count_visible(args.seq_len, args.seq_len, mask_rules.MaskSpec(causal=causal))
   d = args.head_dim
   if args.impl == "jax_splash":
-    request, _ = dispatch.prepare(q, kv, kv, causal=causal)
+    request, _ = validate.prepare(q, kv, kv, causal=causal)
     block_sizes = f"splash {jax_splash.splash_block_sizes(request)}"
   else:
     block_sizes = str(tpu_config.default_block_sizes(args.generation))

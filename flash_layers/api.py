@@ -1,7 +1,7 @@
 """The public entry points: `attention()` and `explain()`.
 
-Both validate through `dispatch.prepare`, then either run on one device
-(`dispatch.attend`) or, with a mesh, split the call with `parallel.sharded`.
+Both validate through `validate.prepare` and choose through `auto.choose`, then either run on one
+device (`dispatch.attend`) or, with a mesh, split the call with `parallel.sharded`.
 `attention`'s path is `run`, which `layers.attention_fn` shares (it adds flax's
 dense mask), so flax's own attention modules shard exactly as `attention` does.
 """
@@ -15,9 +15,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dispatch, lowering
+from flash_layers import lowering, validate
+from flash_layers.auto import AUTO, choose
 from flash_layers.contract import block_info, mods
-from flash_layers.dispatch import AUTO, attend, choose, prepare
+from flash_layers.contract.sinks import merge_sinks
+from flash_layers.dispatch import attend
 from flash_layers.impls import REGISTRY, UnsupportedError, registry
 from flash_layers.impls.xla_chunked import chunk_size
 from flash_layers.parallel import sharded
@@ -76,7 +78,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       flash_pallas or jax_splash).
     sinks: float [num_heads]: attention sinks (as in gpt-oss and StreamingLLM), one logit per
       head that joins every row's softmax denominator and contributes no value; differentiable.
-      Served by every impl: merged with the impl's output and lse (`dispatch.merge_sinks`).
+      Served by every impl: merged with the impl's output and lse (`contract.sinks.merge_sinks`).
     mask_mod: ``(b, h, q_idx, kv_idx, *mod_operands) -> bool``, an elementwise jnp function of
       global int32 indices (broadcastable arrays): the key is visible only where it is True (and the
       built-in rules allow it). Tiles it hides entirely are skipped. `flash_layers.masks` has named
@@ -114,7 +116,7 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       The call then runs inside `shard_map`: batch over data x fsdp, heads over
       tensor, ring attention over sequence (`flash_layers.parallel`).
     Arrays may be NumPy or jax arrays (a bias also a Python number), numbers Python, NumPy or
-      concrete 0-d jax values: `dispatch.prepare` converts each once, with identical results.
+      concrete 0-d jax values: `validate.prepare` converts each once, with identical results.
 
   Returns:
     [batch, q_len, num_heads, head_dim_v] in the query's dtype. A query that sees
@@ -132,15 +134,15 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
         **options: Any) -> jax.Array:
   """The one path of `attention` and `layers.attention_fn`: validate, then attend here or on the mesh.
 
-  `options` are `dispatch.prepare`'s keywords: `attention`'s, plus `dense_mask` (flax's boolean
+  `options` are `validate.prepare`'s keywords: `attention`'s, plus `dense_mask` (flax's boolean
   mask, which only `attention_fn` passes). With a mesh (given or current) the call is split by
   `parallel.sharded`; `block_sizes="autotune"` tunes what each device runs.
   """
-  dispatch.check_impl(impl)
-  query, key, value = dispatch.as_qkv(query, key, value)
+  validate.check_impl(impl)
+  query, key, value = validate.as_qkv(query, key, value)
   sinks = options.pop("sinks", None)
-  request, args = prepare(query, key, value, **options)
-  sinks = dispatch.check_sinks(sinks, request.num_heads)
+  request, args = validate.prepare(query, key, value, **options)
+  sinks = validate.check_sinks(sinks, request.num_heads)
   mesh = sharded.resolve_mesh(mesh)
   _check_mods_unsharded(request, mesh)
   plan = None if mesh is None else sharded.make_plan(request, mesh)
@@ -151,7 +153,7 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
   else:
     out, lse = attend(query, key, value, impl=impl, request=request, args=args)
   if sinks is not None:
-    out, _ = dispatch.merge_sinks(out, lse, sinks)
+    out, _ = merge_sinks(out, lse, sinks)
   return out
 
 
@@ -211,11 +213,11 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   block counts need concrete segment ids). With a mesh, the impl is the one each
   device runs on its local shard, and `.sharding` says how the call is split.
   """
-  dispatch.check_impl(impl)
-  query, key, value = dispatch.as_qkv(query, key, value)
+  validate.check_impl(impl)
+  query, key, value = validate.as_qkv(query, key, value)
   sinks = kwargs.pop("sinks", None)
-  request, args = prepare(query, key, value, **kwargs)
-  sinks = dispatch.check_sinks(sinks, request.num_heads)
+  request, args = validate.prepare(query, key, value, **kwargs)
+  sinks = validate.check_sinks(sinks, request.num_heads)
   here = lowering.default_platform()
   mesh = sharded.resolve_mesh(mesh)
   _check_mods_unsharded(request, mesh)
@@ -245,7 +247,7 @@ def _describe_mods(request, args, impl: str) -> str | None:
       # flash_pallas: the TPU kernels take the block mask's tiles (multiples of 128); a kernel whose tiles
       # differ (the GPU's, or block_sizes given) builds flags for its own.
       parts.append("tile flags from the block_mask (a kernel with other tiles builds its own)"
-                   if impl == "flash_pallas" else "tile flags from the block_mask")
+                   if registry.impl_has(impl, "retiles_block_mask") else "tile flags from the block_mask")
     else:
       parts.append(f"tile flags built by this call: mask_mod evaluated on {request.q_len * request.kv_len:,} "
                    "pairs per row (fl.block_mask builds them once for every layer)")

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.impls import REGISTRY, cpu_loop
 
 
@@ -42,7 +42,7 @@ def test_loop_equals_whole_call(impl):
   chosen = REGISTRY[impl]
 
   def run(q, k, v, bias, looped):
-    request, args = dispatch.prepare(q, k, v, bias=bias, **kwargs)
+    request, args = validate.prepare(q, k, v, bias=bias, **kwargs)
     if impl == "xla_dense":
       return chosen._attend(q, k, v, request=request, args=args, looped=looped)
     if looped:
@@ -76,7 +76,7 @@ def test_chunked_backward_from_statistics_loops():
   """xla_chunked's `attention_backward` (ring attention's) loops too and equals the whole-call one."""
   (q, k, v), kwargs = _problem(seed=1)
   chosen = REGISTRY["xla_chunked"]
-  request, args = dispatch.prepare(q, k, v, **kwargs)
+  request, args = validate.prepare(q, k, v, **kwargs)
   out, lse = chosen.attend(q, k, v, request=request, args=args)
   d_out = jnp.cos(out)
   delta = jnp.einsum("bthd,bthd->bht", d_out, out)
@@ -89,7 +89,7 @@ def test_chunked_backward_from_statistics_loops():
 
 def _lowered_text(impl: str, platform: str, t: int) -> str:
   (q, k, v), _ = _problem(b=2, t=t, s=t, h=4, kvh=2)
-  request, args = dispatch.prepare(q, k, v, causal=True)
+  request, args = validate.prepare(q, k, v, causal=True)
   chosen = REGISTRY[impl]
   f = jax.jit(lambda q, k, v: chosen.attend(q, k, v, request=request, args=args))
   return f.trace(q, k, v).lower(lowering_platforms=(platform,)).as_text()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import auto, dispatch, validate
 from flash_layers.impls.xla_chunked import XlaChunked
 
 
@@ -87,7 +87,7 @@ def test_block_sizes_do_not_change_the_result():
 
   def chunked(bq, bk):
     def f(q, k, v):
-      request, args = dispatch.prepare(q, k, v, **KW)
+      request, args = validate.prepare(q, k, v, **KW)
       return XlaChunked(bq, bk).attend(q, k, v, request=request, args=args)[0]
     return f
 
@@ -123,7 +123,7 @@ def test_lse_is_the_normaliser_before_dropout():
   for impl in ("reference", "xla_chunked"):
     lses = []
     for kw in ({}, {"dropout_rate": 0.5, "dropout_rng": jax.random.key(3)}):
-      request, args = dispatch.prepare(q, k, v, causal=True, **kw)
+      request, args = validate.prepare(q, k, v, causal=True, **kw)
       lses.append(np.asarray(dispatch.attend(q, k, v, impl=impl, request=request, args=args)[1]))
     np.testing.assert_allclose(lses[1], lses[0], rtol=1e-6)
 
@@ -136,10 +136,10 @@ def test_auto_picks_an_impl_with_dropout_and_xla_native_refuses():
   assert fl.explain(q, k, v, dropout_rate=0.1, dropout_rng=key).impl == "xla_dense"
   # GPU: cuDNN (xla_native) comes first when eligible, and is passed over for dropout.
   half = [x.astype(jnp.bfloat16) for x in (q, k, v)]
-  plain, _ = dispatch.prepare(*half)
-  dropped, _ = dispatch.prepare(*half, dropout_rate=0.1, dropout_rng=key)
-  assert dispatch.resolve("auto", plain, "cuda")[0] == "xla_native"
-  assert dispatch.resolve("auto", dropped, "cuda")[0] == "flash_pallas"
+  plain, _ = validate.prepare(*half)
+  dropped, _ = validate.prepare(*half, dropout_rate=0.1, dropout_rng=key)
+  assert auto.resolve("auto", plain, "cuda")[0] == "xla_native"
+  assert auto.resolve("auto", dropped, "cuda")[0] == "flash_pallas"
   with pytest.raises(fl.UnsupportedError, match="dropout"):
     fl.attention(q, k, v, impl="xla_native", dropout_rate=0.1, dropout_rng=key)
   with pytest.raises(fl.UnsupportedError, match="dense bias"):
@@ -169,7 +169,7 @@ def test_auto_picks_an_impl_with_dropout_and_xla_native_refuses():
 def test_errors_name_the_argument(kwargs, error, match):
   q, k, v, _ = _inputs()
   with pytest.raises(error, match=match):
-    dispatch.prepare(q, k, v, **kwargs)
+    validate.prepare(q, k, v, **kwargs)
 
 
 def test_bias_of_any_rank_broadcasts():

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import dispatch, validate
 from flash_layers.contract import block_info, mask_rules
 from flash_layers.impls.flash_pallas import gpu, gpu_config
 
@@ -29,7 +29,7 @@ def _inputs(b=1, t=40, s=40, h=4, kvh=2, d=32, dv=None, dtype=jnp.float32, seed=
 
 def _attend(impl, q, k, v, **kwargs):
   """(out, lse) through the internal entry point that takes position offsets."""
-  request, args = dispatch.prepare(q, k, v, **kwargs)
+  request, args = validate.prepare(q, k, v, **kwargs)
   return dispatch.attend(q, k, v, impl=impl, request=request, args=args)
 
 
@@ -124,7 +124,7 @@ def test_block_size_override_changes_tiles_not_results():
 
   with fl.interpret_as("gpu"):
     got = jax.grad(loss("flash_pallas", block_sizes=block_sizes), (0, 1, 2))(q, k, v)
-    request, _ = dispatch.prepare(q, k, v, block_sizes=block_sizes)
+    request, _ = validate.prepare(q, k, v, block_sizes=block_sizes)
     assert gpu.block_shape(request, "cuda") == (16, 32)
   want = jax.grad(loss("reference"), (0, 1, 2))(q, k, v)
   for got_x, want_x in zip(got, want, strict=True):
@@ -150,7 +150,7 @@ def test_config_table_covers_generations_and_head_dims():
   # No GPU here: Hopper defaults; tiles shrink to short sequences but never below 16.
   assert gpu_config.gpu_generation() == "hopper"
   q, k, v = _inputs(t=5, s=300, d=128, dtype=jnp.bfloat16)
-  request, _ = dispatch.prepare(q, k, v)
+  request, _ = validate.prepare(q, k, v)
   assert gpu.block_shape(request, "cuda") == (16, gpu_config.CONFIG_TABLE[("hopper", 128)].block_kv)
   assert [gpu_config.generation_of(c) for c in ("9.0", "10.0", "8.0", "8.7", "8.6", "8.9", "12.0")] == [
       "hopper", "hopper", "ampere", "ampere", "ada", "ada", "ada"]
@@ -179,7 +179,7 @@ def test_every_table_entry_fits_its_shared_memory(generation):
 
 def test_float32_tiles_are_cut_to_fit():
   q, k, v = _inputs(t=4096, s=4096, h=1, kvh=1, d=128)
-  request, _ = dispatch.prepare(q, k, v)
+  request, _ = validate.prepare(q, k, v)
   cfg = gpu_config.config(request)
   assert _smem(gpu_config.CONFIG_TABLE[("hopper", 128)], 128, 4) > 227 * 1024  # as tabled: too big
   assert _smem(cfg, 128, 4) <= 227 * 1024 and cfg.block_q == 128
@@ -189,9 +189,9 @@ def test_refuses_only_what_it_cannot_do():
   q, k, v = _inputs(d=512)
   with fl.interpret_as("gpu"), pytest.raises(fl.UnsupportedError, match="head_dim > 256"):
     fl.attention(q, k, v, impl="flash_pallas")
-  request, _ = dispatch.prepare(*_inputs(), dense_mask=np.ones((1, 1, 40, 40), bool))
+  request, _ = validate.prepare(*_inputs(), dense_mask=np.ones((1, 1, 40, 40), bool))
   assert gpu.unsupported(request) == "dense mask"
-  request, _ = dispatch.prepare(*_inputs(d=256, dv=80, dtype=jnp.bfloat16), causal=True, window=3,
+  request, _ = validate.prepare(*_inputs(d=256, dv=80, dtype=jnp.bfloat16), causal=True, window=3,
                                 softcap=1.0, segment_ids=np.ones((1, 40), np.int32))
   assert gpu.unsupported(request) is None
 

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import auto, dispatch, validate
 from flash_layers.impls.flash_pallas import tpu, tpu_config
 
 
@@ -31,7 +31,7 @@ def _attend(impl, q, k, v, **kwargs):
   """(out, lse) through the internal entry point that takes position offsets."""
   if impl == "reference":  # the oracle has no tiles; an explicit impl given some would raise
     kwargs = {key: val for key, val in kwargs.items() if key != "block_sizes"}
-  request, args = dispatch.prepare(q, k, v, **kwargs)
+  request, args = validate.prepare(q, k, v, **kwargs)
   return dispatch.attend(q, k, v, impl=impl, request=request, args=args)
 
 
@@ -140,7 +140,7 @@ def test_forward_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, 
   monkeypatch.setattr(tpu_config, "tpu_generation", lambda: generation)
   q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
-  request, _ = dispatch.prepare(q, kv, kv)
+  request, _ = validate.prepare(q, kv, kv)
   blocks = tpu_config.default_block_sizes(generation)
   tiles = tpu_config.forward_tiles(request, (blocks.block_q, blocks.block_kv), token_major=True)
   assert tiles == expected
@@ -160,7 +160,7 @@ def test_dq_tile_heads_fit_the_vmem_budget(monkeypatch, generation, heads, kv_he
   monkeypatch.setattr(tpu_config, "tpu_generation", lambda: generation)
   q = jax.ShapeDtypeStruct((1, 8192, heads, 128), jnp.bfloat16)
   kv = jax.ShapeDtypeStruct((1, 8192, kv_heads, 128), jnp.bfloat16)
-  request, _ = dispatch.prepare(q, kv, kv)
+  request, _ = validate.prepare(q, kv, kv)
   bwd = tpu_config.default_block_sizes(generation).backward
   assert tpu_config.dq_tile_heads(request, bwd, token_major=True) == expected
   budget = 3 * tpu_config.VMEM_CAPACITY[generation] // 4
@@ -219,7 +219,7 @@ def test_block_sizes_table_and_validation():
 
 def test_short_sequences_shrink_the_tiles():
   q, k, v = _inputs(t=7, s=300)
-  request, _ = dispatch.prepare(q, k, v, block_sizes=fl.BlockSizes(512, 1024))
+  request, _ = validate.prepare(q, k, v, block_sizes=fl.BlockSizes(512, 1024))
   assert tpu.block_shape(request, "tpu") == (128, 384)
 
 
@@ -230,24 +230,24 @@ def test_float16_runs_in_float32_and_dense_masks_are_refused():
   assert out.dtype == jnp.float16
   ref = fl.attention(*(x.astype(jnp.float32) for x in (q, k, v)), impl="reference", causal=True)
   np.testing.assert_allclose(np.asarray(out, np.float32), ref, atol=2e-3)
-  request, _ = dispatch.prepare(*_inputs(t=16), dense_mask=np.ones((16, 16), bool))
+  request, _ = validate.prepare(*_inputs(t=16), dense_mask=np.ones((16, 16), bool))
   assert tpu.unsupported(request) == "dense mask"
   with pytest.raises(fl.UnsupportedError, match="dense mask"):
-    dispatch.resolve("flash_pallas", request, "tpu")
+    auto.resolve("flash_pallas", request, "tpu")
 
 
 def test_block_plans_grow_linearly_and_oversized_ones_are_refused():
   # 262,144 tokens, causal + packed documents: 2 words per q block and 4 per block of segment ids.
   q = jax.ShapeDtypeStruct((1, 262144, 1, 64), jnp.bfloat16)
   seg = np.repeat(np.arange(32, dtype=np.int32), 8192)[None]  # 32 documents of 8,192 tokens
-  served, _ = dispatch.prepare(q, q, q, causal=True, segment_ids=seg)
+  served, _ = validate.prepare(q, q, q, causal=True, segment_ids=seg)
   assert tpu.unsupported(served) is None
   assert tpu_config.plan_words(served, (512, 512)) == 2 * 512 + 4 * (512 + 512)
   # 2^26 tokens at 512-token tiles: 2 x 131,072 plan words, more than SMEM's share.
   q = jax.ShapeDtypeStruct((1, 2**26, 1, 64), jnp.bfloat16)
-  too_big, _ = dispatch.prepare(q, q, q, causal=True)
+  too_big, _ = validate.prepare(q, q, q, causal=True)
   assert "block plan of 262144 int32 words" in tpu.unsupported(too_big)
-  assert dispatch.resolve("auto", too_big, "tpu")[0] == "xla_chunked"
-  larger_tiles, _ = dispatch.prepare(q, q, q, causal=True, block_sizes=fl.BlockSizes(1024, 1024))
+  assert auto.resolve("auto", too_big, "tpu")[0] == "xla_chunked"
+  larger_tiles, _ = validate.prepare(q, q, q, causal=True, block_sizes=fl.BlockSizes(1024, 1024))
   assert tpu.unsupported(larger_tiles) is None
-  assert dispatch.resolve("auto", larger_tiles, "tpu")[0] == "flash_pallas"
+  assert auto.resolve("auto", larger_tiles, "tpu")[0] == "flash_pallas"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import dispatch, validate
 from flash_layers.impls import REGISTRY, registry
 
 B, T, S, H, KVH, D = 1, 200, 160, 2, 1, 32
@@ -33,7 +33,7 @@ def test_lse_cotangent_and_static_offsets_match_reference():
   u = jax.random.normal(jax.random.key(2), (B, H, T))
 
   def loss_and_lse(impl, q, k, v):
-    request, args = dispatch.prepare(q, k, v, causal=True, segment_ids=jnp.asarray(q_seg),
+    request, args = validate.prepare(q, k, v, causal=True, segment_ids=jnp.asarray(q_seg),
                                      kv_segment_ids=jnp.asarray(kv_seg), q_offset=48, kv_offset=0)
     out, lse = dispatch.attend(q, k, v, impl=impl, request=request, args=args)
     finite = jnp.where(jnp.isfinite(lse), lse, 0.0)
@@ -72,7 +72,7 @@ def test_runs_interpreted_on_a_cpu_and_explains_itself():
                  block_sizes=fl.BlockSizes(128, 128))
   assert (e.impl, e.kernel) == ("jax_splash", "splash-tpu (interpret)")
   assert (e.blocks_visited, e.blocks_total) == (3 * B * H, 4 * B * H)  # causal: 3 of 2 x 2 tiles
-  assert REGISTRY["jax_splash"].kernel(dispatch.prepare(q, k, v)[0], "tpu") == "splash-tpu"
+  assert REGISTRY["jax_splash"].kernel(validate.prepare(q, k, v)[0], "tpu") == "splash-tpu"
 
 
 @pytest.mark.parametrize("kwargs,feature", [
@@ -90,7 +90,7 @@ def test_refuses_by_name(kwargs, feature):
 
 def test_refuses_gpus_and_traced_offsets():
   q, k, v = _inputs()
-  request, args = dispatch.prepare(q, k, v, causal=True)
+  request, args = validate.prepare(q, k, v, causal=True)
   assert "cuda" in REGISTRY["jax_splash"].unsupported(request, "cuda")
   with fl.interpret_as("gpu"), pytest.raises(fl.UnsupportedError, match="interpret_as"):
     fl.attention(q, k, v, impl="jax_splash")
@@ -98,7 +98,7 @@ def test_refuses_gpus_and_traced_offsets():
   @jax.jit
   def ring_step(q, k, v, q_offset):  # the ring passes traced offsets; splash's mask is static
     return dispatch.attend(q, k, v, impl="jax_splash", request=request,
-                           args=dispatch.prepare(q, k, v, causal=True, q_offset=q_offset)[1])
+                           args=validate.prepare(q, k, v, causal=True, q_offset=q_offset)[1])
 
   with pytest.raises(fl.UnsupportedError, match="traced position offsets") as excinfo:
     ring_step(q, k, v, jnp.int32(64))

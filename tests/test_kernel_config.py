@@ -12,7 +12,7 @@ import jax
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.impls.flash_pallas import gpu_config, tpu_config
 from flash_layers.impls.tiling import LANES
 
@@ -117,7 +117,7 @@ def test_the_comparison_catches_a_changed_entry():
 def _request(length: int, dtype="bfloat16", head_dim=64, heads=4, kv_heads=4):
   q = jax.ShapeDtypeStruct((1, length, heads, head_dim), dtype)
   kv = jax.ShapeDtypeStruct((1, length, kv_heads, head_dim), dtype)
-  return dispatch.prepare(q, kv, kv, causal=True)[0]
+  return validate.prepare(q, kv, kv, causal=True)[0]
 
 
 @pytest.mark.parametrize("generation", ["v4", "v5e", None])

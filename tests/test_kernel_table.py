@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.contract import dropout
 from flash_layers.impls.flash_pallas import scalar_table
 
@@ -21,7 +21,7 @@ def test_reads_match_what_build_writes(alibi, rate):
   kwargs = {"alibi_slopes": fl.alibi_slopes(h)} if alibi else {}
   if rate:
     kwargs.update(dropout_rate=rate, dropout_rng=jax.random.key(7))
-  request, args = dispatch.prepare(q, q, q, **kwargs)
+  request, args = validate.prepare(q, q, q, **kwargs)
   args = dataclasses.replace(args, q_offset=jnp.int32(5), kv_offset=jnp.int32(9), batch_offset=jnp.int32(2),
                              head_offset=jnp.int32(1))
   table = scalar_table.build(request, args, b)

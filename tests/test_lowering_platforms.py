@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import auto, validate
 
 Q = jax.ShapeDtypeStruct((1, 16, 2, 16), jnp.float32)
 
@@ -107,11 +107,11 @@ def test_auto_lowers_the_choice_explain_reports_for_that_platform(platform):
   """A ROCm lowering used to get the CPU branch (xla_dense) while the ROCm rule picks another impl.
   A dense bias keeps flash_pallas out, so no Triton compiler is needed to lower for a GPU."""
   bias = jax.ShapeDtypeStruct((1, 1, Q.shape[1], Q.shape[1]), jnp.float32)
-  request, _ = dispatch.prepare(Q, Q, Q, bias=bias)
-  chosen, _ = dispatch.resolve("auto", request, platform)
+  request, _ = validate.prepare(Q, Q, Q, bias=bias)
+  chosen, _ = auto.resolve("auto", request, platform)
   text = (jax.jit(lambda q, b: fl.attention(q, q, q, bias=b)).trace(Q, bias)
           .lower(lowering_platforms=(platform,)).as_text(debug_info=True))
   lowered = {name for name in fl.IMPLS if f"flash_layers.{name}" in text}
   assert lowered == {chosen}
   if platform == "rocm":
-    assert chosen != dispatch.resolve("auto", request, "cpu")[0]  # else the test proves nothing
+    assert chosen != auto.resolve("auto", request, "cpu")[0]  # else the test proves nothing

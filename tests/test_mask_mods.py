@@ -112,10 +112,10 @@ def test_impls_refuse_what_they_cannot_serve_by_name_and_say_who_serves_it():
     fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.prefix_lm(operand=0),
                  mod_operands=(np.zeros(200_000, np.int32),))
   # "auto" for a TPU runs a mask_mod in our kernel, a learned score_mod table in the chunked impl.
-  from flash_layers import dispatch
+  from flash_layers import auto, validate
   for options, impl in ((dict(mask_mod=fl.masks.causal()), "flash_pallas"),
                         (dict(score_mod=relative_bias, mod_operands=(table,)), "xla_chunked")):
-    assert dispatch.resolve("auto", dispatch.prepare(q, k, v, **options)[0], "tpu")[0] == impl
+    assert auto.resolve("auto", validate.prepare(q, k, v, **options)[0], "tpu")[0] == impl
 
 
 def _visible_tiles(visible: np.ndarray, bq: int, bk: int) -> int:

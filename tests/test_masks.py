@@ -72,7 +72,7 @@ def check_block_map(p):
                                  window=p["window"], segment_ids=q_ids, kv_segment_ids=kv_ids,
                                  q_offset=p["q_offset"], kv_offset=p["kv_offset"], global_tokens=g)
   true_visible, true_full = brute_force(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], dense)
-  # With global tokens the impls see encoded segment ids (dispatch.prepare does this).
+  # With global tokens the impls see encoded segment ids (validate.prepare does this).
   encode = (lambda ids: mask_rules.encode_global(jnp.asarray(ids), g)) if g else jnp.asarray
   bm = block_info.block_map(p["q_len"], p["kv_len"], p["block_q"], p["block_kv"], spec,
                        None if q_ids is None else encode(q_ids),
@@ -158,9 +158,9 @@ def test_global_tokens_visit_a_few_percent_of_tiles_at_16k():
   band = np.abs(np.arange(32)[:, None] - np.arange(32)[None, :]) <= 1
   np.testing.assert_array_equal(visible, band | (np.arange(32) == 0)[:, None] | (np.arange(32) == 0)[None])
   with pytest.raises(ValueError, match="global_tokens=1 needs a window"):
-    from flash_layers import dispatch
+    from flash_layers import validate
     x = jnp.zeros((1, 8, 1, 4))
-    dispatch.prepare(x, x, x, global_tokens=1)
+    validate.prepare(x, x, x, global_tokens=1)
 
 
 def test_block_stats_counts_over_batch_and_heads():

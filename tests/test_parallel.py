@@ -329,11 +329,11 @@ def test_one_device_mesh_runs_unsharded():
 def test_zigzag_gives_every_ring_device_equal_causal_work(n):
   """Visible (query chunk, kv chunk) pairs a device computes over the whole ring, by the ring's own
   skip test: zig-zag, 2n+1 each (of the n(2n+1) causal chunk pairs); contiguous, i+1 for device i."""
-  from flash_layers import dispatch
+  from flash_layers import validate
   from flash_layers.parallel import ring
 
   q = jax.ShapeDtypeStruct((1, 16 * 2 * n, 1, 8), jnp.float32)
-  request, _ = dispatch.prepare(q, q, q, causal=True)
+  request, _ = validate.prepare(q, q, q, causal=True)
 
   def work(chunks):
     local = dataclasses.replace(request, q_len=16 * 2 // chunks, kv_len=16 * 2 // chunks)

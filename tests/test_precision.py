@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.impls.flash_pallas import tpu
 from flash_layers.testing import reference64
 
@@ -235,7 +235,7 @@ def test_triton_dots_carry_input_precision(precision, expected):
 
 def _request(dtype=jnp.float32, **kwargs):
   q = jax.ShapeDtypeStruct((1, 8, 2, 16), dtype)
-  return dispatch.prepare(q, q, q, **kwargs)[0]
+  return validate.prepare(q, q, q, **kwargs)[0]
 
 
 @pytest.mark.parametrize("given, expected", [

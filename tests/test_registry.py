@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import dispatch, validate
 from flash_layers.impls import REGISTRY, registry
 from flash_layers.impls.base import CAPABILITIES
 from flash_layers.impls.flash_pallas import _FAMILY_CALLS, KernelFamily, _family
@@ -119,7 +119,7 @@ def test_traced_offsets_claims_hold():
   matches the reference with the same offsets as Python ints."""
   rng = np.random.default_rng(0)
   q, k, v = (jnp.asarray(rng.standard_normal((1, 16, 1, 8)), jnp.float32) for _ in range(3))
-  request, _ = dispatch.prepare(q, k, v, causal=True)
+  request, _ = validate.prepare(q, k, v, causal=True)
   # NumPy: query i sits at position 8 + i, key j at 4 + j; causal: key position <= query position.
   logits = np.einsum("qd,kd->qk", np.float64(q[0, :, 0]), np.float64(k[0, :, 0])) / np.sqrt(8)
   logits = np.where(4 + np.arange(16)[None, :] <= 8 + np.arange(16)[:, None], logits, -np.inf)
@@ -129,7 +129,7 @@ def test_traced_offsets_claims_hold():
   for name in registry.impls_with("traced_offsets"):
     @jax.jit
     def run(q_offset, kv_offset, name=name):
-      args = dispatch.prepare(q, k, v, causal=True, q_offset=q_offset, kv_offset=kv_offset)[1]
+      args = validate.prepare(q, k, v, causal=True, q_offset=q_offset, kv_offset=kv_offset)[1]
       return dispatch.attend(q, k, v, impl=name, request=request, args=args)[0]
 
     np.testing.assert_allclose(run(jnp.int32(8), jnp.int32(4)), expected, atol=2e-5, err_msg=name)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.impls import REGISTRY
 from flash_layers.testing import reference64
 from flash_layers.tuning import cache, candidates, tuner
@@ -28,7 +28,7 @@ def _qkv(shape=SHAPE, seed=0):
 
 def _request(shape=SHAPE, **kwargs):
   q = jax.ShapeDtypeStruct(shape, jnp.float32)
-  return dispatch.prepare(q, q, q, **kwargs)[0]
+  return validate.prepare(q, q, q, **kwargs)[0]
 
 
 class FakeTimer:

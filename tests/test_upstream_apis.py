@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from flash_layers import dispatch, lowering
+from flash_layers import lowering, validate
 from flash_layers.impls import jax_splash
 from flash_layers.parallel import mesh as mesh_lib
 from flash_layers.testing import strict
@@ -78,7 +78,7 @@ def test_splash_kernel_object_and_mask_info():
   MaskInfo.partial_mask_blocks with NamedTuple._replace; the forward returns (out, (lse,))."""
   q_len = kv_len = 256
   spec = jax.ShapeDtypeStruct((1, q_len, 1, 128), jnp.float32)
-  request, _ = dispatch.prepare(spec, spec, spec, causal=True)
+  request, _ = validate.prepare(spec, spec, spec, causal=True)
   call = jax_splash._SplashCall(
       request=request, rule=jax_splash._Rule(offset=0, causal=True, window=None, kv_len=None),
       shape=(q_len, kv_len), block_sizes=jax_splash.splash_block_sizes(request), interpret=True)

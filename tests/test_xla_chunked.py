@@ -10,7 +10,7 @@ import pytest
 import test_conformance as conformance
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import validate
 from flash_layers.impls.xla_chunked import XlaChunked, chunk_size
 from flash_layers.testing import reference64
 
@@ -20,7 +20,7 @@ def chunked_fwd_bwd(impl: XlaChunked, q, k, v, cotangents, *, offsets=(0, 0), de
 
   def run(q, k, v, dout, dlse, q_offset, kv_offset, seg, dense_mask):
     def f(q, k, v):
-      request, args = dispatch.prepare(q, k, v, **seg, **kwargs, dense_mask=dense_mask,
+      request, args = validate.prepare(q, k, v, **seg, **kwargs, dense_mask=dense_mask,
                                   q_offset=q_offset, kv_offset=kv_offset)
       return impl.attend(q, k, v, request=request, args=args)
 
@@ -190,7 +190,7 @@ def test_one_row_branches_on_full_chunks_and_many_rows_do_not():
     seg = jnp.ones((b, 128), jnp.int32)
 
     def f(q, seg):
-      request, args = dispatch.prepare(q, q, q, causal=True, segment_ids=seg)
+      request, args = validate.prepare(q, q, q, causal=True, segment_ids=seg)
       return XlaChunked(32, 32)._attend(q, q, q, request=request, args=args)
 
     return str(jax.make_jaxpr(f)(q, seg)).count(" cond[")

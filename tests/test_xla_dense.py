@@ -10,7 +10,7 @@ import pytest
 from test_xla_chunked import assert_close, chunked_fwd_bwd, random_problem
 
 import flash_layers as fl
-from flash_layers import dispatch
+from flash_layers import auto, validate
 from flash_layers.impls.xla_dense import XlaDense
 from flash_layers.testing import reference64
 
@@ -67,7 +67,7 @@ def _struct(t: int):
 
 @pytest.mark.parametrize("segments", [False, True])
 def test_auto_on_cpu_is_dense_below_the_crossover_and_chunked_from_it(segments):
-  short, long = 512, dispatch.CPU_CHUNKED_MIN_KV_LEN
+  short, long = 512, auto.CPU_CHUNKED_MIN_KV_LEN
   kwargs = lambda t: {"segment_ids": jnp.ones((1, t), jnp.int32)} if segments else {}
   e = fl.explain(_struct(short), _struct(short), _struct(short), **kwargs(short))
   assert (e.impl, e.kernel) == ("xla_dense", "xla")
@@ -97,7 +97,7 @@ def test_the_decoding_forward_reads_only_visible_chunks_and_matches_the_oracle(c
   kwargs = {key: value for key, value in problem.kwargs.items() if key != "q_offset"}
 
   def forward(q, k, v, offset):
-    request, args = dispatch.prepare(q, k, v, q_offset=offset, **seg, **kwargs)
+    request, args = validate.prepare(q, k, v, q_offset=offset, **seg, **kwargs)
     return XlaDense().attend(q, k, v, request=request, args=args)
 
   jaxpr = str(jax.make_jaxpr(forward)(q, k, v, cfg.q_offset))

@@ -14,7 +14,7 @@ exactly one definition of "query i may attend key j":
                           without segment ids).
 
 With global tokens and segment ids the impls receive *encoded* segment ids,
-``2 * id + (doc_pos < g)`` (`encode_global`, done once in `dispatch.prepare` on the
+``2 * id + (doc_pos < g)`` (`encode_global`, done once in `validate.prepare` on the
 whole sequence), so the flag travels wherever segment ids already go: kernel
 tiles, xla_chunked's chunks, the ring's rotating kv shards. `visible` and
 `block_info.block_map` decode it; no impl needs an extra operand.

@@ -41,8 +41,27 @@ a defined one must be declared); callers ask the registry (`registry.impl_has`,
   without one).
 * ``block_stats(request, args, platform)`` -> ``(blocks visited, blocks total)`` or None, and
   ``grid_steps(request, args, platform)`` -> int or None: what `explain()` reports.
-* ``traced_offsets`` (a feature, no method): causal and window masks whose position offsets are
-  known only at run time (a ring attention step); the conformance and ring tests hold it.
+* ``decode_unserved(request, platform)`` -> None when the impl serves `request` on its decode path
+  (a few queries against a long cache), else why not: "auto" puts such an impl first for decoding.
+* ``tuning_space(request, platform)`` -> the block sizes the autotuner times for the impl there, its
+  defaults (None) first; [] when nothing is tunable (tuning/candidates.py builds on it).
+* ``cpu_loop_tile(request)`` -> (tile_q, tile_kv): the logits tile whose size decides the CPU loop
+  (impls/cpu_loop.py) for impls that run it; the tuner's small check forces the same decision.
+
+Features (a claim, no method; the tests check each by running it):
+
+* ``traced_offsets``: causal and window masks whose position offsets are known only at run time (a
+  ring attention step); the conformance and ring tests hold it.
+* ``sow_weights``: materialises the attention probabilities, so a layer can sow them.
+* ``mod_gathers``: evaluates mods on whole arrays, so a mod may index its operands with arrays (a
+  gather), which the Pallas kernels cannot lower.
+* ``dropout``: serves attention dropout (``unsupported`` says so for each request too; the training
+  config refuses an impl without it before any compile).
+* ``retiles_block_mask``: a kernel whose tiles may differ from a prebuilt block_mask's builds its own
+  tile flags for them (explain says so).
+
+Besides capabilities, an impl may set ``block_size_types``: the block-size classes it reads (default
+none); sizes of another class given to it explicitly raise (`validate.check_block_sizes`).
 
 Adding an impl is one module plus one line in `impls/__init__.py`.
 """
@@ -87,7 +106,7 @@ class Request:
   has_alibi: bool = False
   has_bias: bool = False
   # The precision of every matmul (`jax.lax.Precision`, as in `jnp.dot`): DEFAULT, HIGH or HIGHEST.
-  # `dispatch.prepare` resolves the user's None: HIGHEST, except DEFAULT for bfloat16 inputs.
+  # `validate.prepare` resolves the user's None: HIGHEST, except DEFAULT for bfloat16 inputs.
   precision: jax.lax.Precision = jax.lax.Precision.HIGHEST
   # The user's mods (flash_layers/contract/mods.py): callables, hashed by identity (define one once and
   # reuse it, or each call is a new trace).
@@ -136,8 +155,9 @@ class Args:
 
 # The optional capabilities an impl may declare. Methods: the registry checks that a declared one
 # exists and takes the arguments below. Features: a claim the tests check by running it.
-METHOD_CAPABILITIES = ("attention_backward", "block_stats", "grid_steps")
-FEATURE_CAPABILITIES = ("traced_offsets",)
+METHOD_CAPABILITIES = ("attention_backward", "block_stats", "grid_steps", "decode_unserved", "tuning_space",
+                       "cpu_loop_tile")
+FEATURE_CAPABILITIES = ("traced_offsets", "sow_weights", "mod_gathers", "dropout", "retiles_block_mask")
 CAPABILITIES = METHOD_CAPABILITIES + FEATURE_CAPABILITIES
 
 

@@ -58,6 +58,21 @@ def loop_bytes(request: Request) -> int:
   return CACHE_BYTES if tuned is None else tuned
 
 
+NEVER_LOOP = 1 << 62  # a loop_bytes no call reaches: a `CpuBlockSizes(loop_bytes=NEVER_LOOP)` never loops
+
+
+def loops_on_shapes(request: Request, tile_q: int, tile_kv: int, cache_bytes: int) -> bool:
+  """`worth_looping`'s size rule on a request's shapes alone (no arrays): what the autotuner uses to
+  flip a call's loop decision, and to force the same decision on its small validation call."""
+  return (request.batch * request.num_kv_heads > 1
+          and 4 * request.batch * request.num_heads * tile_q * tile_kv > cache_bytes)
+
+
+def flipped_loop_bytes(request: Request, tile_q: int, tile_kv: int) -> int:
+  """The loop_bytes that flips the default loop decision for this tile (a tuning candidate)."""
+  return NEVER_LOOP if loops_on_shapes(request, tile_q, tile_kv, CACHE_BYTES) else 0
+
+
 def worth_looping(q, k, tile_q: int, tile_kv: int, cache_bytes: int = CACHE_BYTES) -> bool:
   """Whether a call's float32 logits tile over every row and head, [b, h, tile_q, tile_kv], exceeds
   `cache_bytes` (and there is more than one row or kv head to loop over)."""

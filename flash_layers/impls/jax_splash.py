@@ -326,6 +326,7 @@ class JaxSplash:
   name = "jax_splash"
   # No traced_offsets: splash's mask is static (`_static_offset` refuses traced causal offsets).
   capabilities = frozenset({"block_stats"})
+  block_size_types = (BlockSizes,)
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     forced = lowering.interpreting()

@@ -42,7 +42,7 @@ def _probabilities(q, k, request: Request, args: Args):
 
 class Reference:
   name = "reference"
-  capabilities = frozenset({"traced_offsets"})
+  capabilities = frozenset({"traced_offsets", "sow_weights", "mod_gathers", "dropout"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     return None

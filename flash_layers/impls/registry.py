@@ -39,6 +39,9 @@ _CAPABILITY_CALLS: dict[str, tuple[int, tuple[str, ...]]] = {
     "attention_backward": (6, ("request", "args")),  # (q, k, v, lse, delta, d_out, *, request, args)
     "block_stats": (3, ()),                          # (request, args, platform)
     "grid_steps": (3, ()),                           # (request, args, platform)
+    "decode_unserved": (2, ()),                      # (request, platform)
+    "tuning_space": (2, ()),                         # (request, platform)
+    "cpu_loop_tile": (1, ()),                        # (request)
 }
 assert set(_CAPABILITY_CALLS) == set(METHOD_CAPABILITIES)
 
@@ -82,6 +85,9 @@ def check(impl: Any) -> None:
     elif callable(getattr(impl, capability, None)):
       raise RegistrationError(f"{owner} defines {capability}() but does not declare it in "
                               "`capabilities`: declare it, or rename the method")
+  sizes = getattr(impl, "block_size_types", ())
+  if not isinstance(sizes, tuple) or not all(isinstance(t, type) for t in sizes):
+    raise RegistrationError(f"{owner}.block_size_types must be a tuple of block-size classes; got {sizes!r}")
 
 
 class Registry:
@@ -119,6 +125,10 @@ class Registry:
     _check_capability(capability)
     return tuple(n for n, impl in self._impls.items() if capability in impl.capabilities)
 
+  def block_size_types(self, name: str) -> tuple[type, ...]:
+    """The block-size classes impl `name` reads (its ``block_size_types``; () when it reads none)."""
+    return getattr(self.get(name), "block_size_types", ())
+
   def method(self, name: str, capability: str) -> Callable | None:
     """Impl `name`'s method for a method capability, or None when it did not declare it."""
     if capability not in METHOD_CAPABILITIES:
@@ -141,3 +151,4 @@ names = DEFAULT.names
 impl_has = DEFAULT.impl_has
 impls_with = DEFAULT.impls_with
 method = DEFAULT.method
+block_size_types = DEFAULT.block_size_types

@@ -112,7 +112,7 @@ class CpuBlockSizes:
     logits tile over every row and head exceeds this many bytes runs one batch row and kv head at
     a time. 0 always loops; a huge value never does.
   Only xla_chunked and xla_dense take them: any other explicitly chosen impl raises
-  (`dispatch.check_block_sizes`); "auto" hands them to the impl it picks.
+  (`validate.check_block_sizes`); "auto" hands them to the impl it picks.
   """
 
   block_q: int | None = None
@@ -131,5 +131,5 @@ class CpuBlockSizes:
         raise ValueError(f"CpuBlockSizes.{name} must be {allowed}; got {value}")
 
 
-# Every block-size class; `dispatch.prepare` rejects anything else by type.
+# Every block-size class; `validate.prepare` rejects anything else by type.
 BLOCK_SIZE_CLASSES: tuple[type, ...] = (BlockSizes, GpuBlockSizes, CpuBlockSizes)

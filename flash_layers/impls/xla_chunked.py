@@ -49,6 +49,8 @@ from flash_layers.impls.tiling import CpuBlockSizes, pad_to
 # enough that a [bq, bk] float32 tile per head is ~1 MiB.
 DEFAULT_BLOCK_Q = 512
 DEFAULT_BLOCK_KV = 512
+# The chunk lengths the autotuner combines (`XlaChunked.tuning_space`).
+TUNING_CHUNKS = (256, 512, 1024)
 
 
 def chunk_size(length: int, target: int) -> int:
@@ -369,7 +371,9 @@ class XlaChunked:
   """Chunked attention with chunk sizes ``block_q`` x ``block_kv`` (clamped to the lengths)."""
 
   name = "xla_chunked"
-  capabilities = frozenset({"attention_backward", "block_stats", "traced_offsets"})
+  capabilities = frozenset({"attention_backward", "block_stats", "traced_offsets", "mod_gathers", "dropout",
+                            "tuning_space", "cpu_loop_tile"})
+  block_size_types = (CpuBlockSizes,)
 
   def __init__(self, block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):
     self.block_q, self.block_kv = block_q, block_kv
@@ -388,6 +392,28 @@ class XlaChunked:
     sizes = request.block_sizes if isinstance(request.block_sizes, CpuBlockSizes) else CpuBlockSizes()
     return (chunk_size(request.q_len, sizes.block_q or self.block_q),
             chunk_size(request.kv_len, sizes.block_kv or self.block_kv))
+
+  def cpu_loop_tile(self, request: Request) -> tuple[int, int]:
+    """One chunk pair's logits: the CPU loop weighs a tile at a time."""
+    return self.chunk_shape(request)
+
+  def tuning_space(self, request: Request, platform: str) -> list[CpuBlockSizes | None]:
+    """On CPU: the defaults, every distinct chunk pair from `TUNING_CHUNKS` (kv chunks at least as long
+    as q chunks: fewer steps), and the CPU loop decision flipped for the default pair."""
+    if platform != "cpu":
+      return []
+    default_tile = self.chunk_shape(dataclasses.replace(request, block_sizes=None, block_mask_tiles=None))
+    space: list[CpuBlockSizes | None] = [None]
+    seen = {default_tile}
+    for block_q in TUNING_CHUNKS:
+      for block_kv in (c for c in TUNING_CHUNKS if c >= block_q):
+        tile = (chunk_size(request.q_len, block_q), chunk_size(request.kv_len, block_kv))
+        if tile not in seen:
+          seen.add(tile)
+          space.append(CpuBlockSizes(block_q, block_kv))
+    if request.batch * request.num_kv_heads > 1:
+      space.append(CpuBlockSizes(loop_bytes=cpu_loop.flipped_loop_bytes(request, *default_tile)))
+    return space
 
   def block_stats(self, request: Request, args: Args, platform: str) -> tuple[int, int] | None:
     """(chunk pairs visited, total) over batch and heads; None when segment ids or mod_operands are

@@ -39,7 +39,7 @@ zeroes rows with no visible key afterwards through a ``[b, h, t, s]`` reduction.
   step on a CPU, so a half-full cache costs about half (docs/benchmarks.md, "Decoding: one step").
 
 Memory is O(q_len * kv_len) per head, like flax's attention; "auto" takes
-xla_chunked from `dispatch.CPU_CHUNKED_MIN_KV_LEN` keys on.
+xla_chunked from `auto.CPU_CHUNKED_MIN_KV_LEN` keys on.
 """
 
 from __future__ import annotations
@@ -55,6 +55,7 @@ from flash_layers import lowering
 from flash_layers.contract import dropout, mods
 from flash_layers.impls import cpu_loop, dense_logits
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.tiling import CpuBlockSizes
 
 # Keys per chunk of the decoding forward: a [4, 512, 12, 64] float32 chunk of K is 6 MiB, so a step's chunks
 # stream through the caches and an 8,192-slot cache is 16 trips of the loop.
@@ -245,7 +246,23 @@ class XlaDense:
   """Dense float32 attention with a custom VJP, laid out for XLA:CPU (see the module docstring)."""
 
   name = "xla_dense"
-  capabilities = frozenset({"attention_backward", "traced_offsets"})
+  capabilities = frozenset({"attention_backward", "traced_offsets", "sow_weights", "mod_gathers", "dropout",
+                            "tuning_space", "cpu_loop_tile"})
+  block_size_types = (CpuBlockSizes,)  # only its loop_bytes: the logits are never tiled
+
+  def tuning_space(self, request: Request, platform: str) -> list[CpuBlockSizes | None]:
+    """On CPU: the defaults, and the CPU loop decision flipped (when there is a loop to run)."""
+    if platform != "cpu":
+      return []
+    space: list[CpuBlockSizes | None] = [None]
+    if request.batch * request.num_kv_heads > 1:
+      flipped = cpu_loop.flipped_loop_bytes(request, *self.cpu_loop_tile(request))
+      space.append(CpuBlockSizes(loop_bytes=flipped))
+    return space
+
+  def cpu_loop_tile(self, request: Request) -> tuple[int, int]:
+    """The whole [q_len, kv_len] logits: the CPU loop weighs them at once."""
+    return request.q_len, request.kv_len
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     return None

@@ -33,7 +33,8 @@ def _uses_plain_causal(request: Request, args: Args) -> bool:
 
 class XlaNative:
   name = "xla_native"
-  capabilities = frozenset({"traced_offsets"})
+  # No dropout: jax.nn.dot_product_attention has none.
+  capabilities = frozenset({"traced_offsets", "sow_weights"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     if request.softcap is not None:

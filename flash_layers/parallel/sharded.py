@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from flash_layers import dispatch, lowering
+from flash_layers import auto, dispatch, lowering
 from flash_layers.impls import Args, Request, UnsupportedError
 from flash_layers.parallel import mesh as mesh_lib
 from flash_layers.parallel import ring
@@ -132,7 +132,7 @@ def _shard_map(f, plan: Plan, in_specs, out_specs):
 
 def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args, plan: Plan):
   """`dispatch.attend`, split over `plan.mesh`; returns the global (out, lse)."""
-  dispatch.resolve(impl, plan.local, lowering.default_platform())  # an explicit impl refuses here
+  auto.resolve(impl, plan.local, lowering.default_platform())  # an explicit impl refuses here
   if args.bias is not None and plan.sequence > 1:
     raise UnsupportedError("dense bias with a sequence-sharded (ring) mesh: the bias would travel "
                            "with K/V; use alibi_slopes, or a mesh with sequence=1")

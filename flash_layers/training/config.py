@@ -15,7 +15,7 @@ from ml_collections.config_dict import placeholder
 from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.errors import UserError
-from flash_layers.impls import IMPLS
+from flash_layers.impls import IMPLS, registry
 from flash_layers.parallel.mesh import AXES, resolve_mesh_sizes, slice_count
 from flash_layers.training import compile_cache
 
@@ -330,9 +330,10 @@ def check_attention_dropout(m, rate: float):
   if m.attention_dropout and m.pretrained and not models.pretrained.has_attention_dropout(m.pretrained):
     _fail("model.attention_dropout", f"is {m.attention_dropout} but {m.pretrained!r} is a ModernBERT "
           "checkpoint, which has no attention-probability dropout; use None or 0.0")
-  if rate and m.impl == "xla_native":
+  # An impl without the dropout capability (xla_native, jax_splash) would refuse every call: say so now.
+  if rate and m.impl in IMPLS and not registry.impl_has(m.impl, "dropout"):
     _fail("model.attention_dropout", f"is {rate} (None = the checkpoint's value) but model.impl="
-          "'xla_native' has no attention dropout; set model.attention_dropout=0.0 or another impl")
+          f"{m.impl!r} has no attention dropout; set model.attention_dropout=0.0 or another impl")
 
 
 def _check_position_table(m):

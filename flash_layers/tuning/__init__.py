@@ -2,6 +2,7 @@
 
 `flash_layers.autotune` (tuner.py) times candidate configurations (candidates.py) and stores the
 winner (cache.py); `fl.attention(..., block_sizes="autotune")` and impl="auto" read it back. This
-package's __init__ imports nothing, so that dispatch can read the cache without importing the tuner
-(which imports dispatch). docs/tuning.md has the user's view.
+package's __init__ imports nothing, so that validate and auto can read the cache (a low layer) without
+importing the tuner and its candidates (which import auto and dispatch: a higher
+layer). docs/tuning.md has the user's view.
 """

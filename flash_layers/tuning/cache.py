@@ -124,7 +124,7 @@ def decode_block_sizes(data: dict | None) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Tuned:
-  """A cache entry as dispatch uses it."""
+  """A cache entry as auto.choose uses it."""
 
   impl: str
   block_sizes: Any

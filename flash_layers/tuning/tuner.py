@@ -38,11 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from flash_layers import dispatch, lowering
-from flash_layers.impls import REGISTRY
+from flash_layers.contract.alibi import alibi_slopes
+from flash_layers.impls import REGISTRY, cpu_loop, registry
 from flash_layers.impls.base import Request
 from flash_layers.impls.tiling import CpuBlockSizes
 from flash_layers.tuning import cache, candidates
 from flash_layers.tuning.candidates import NEVER_LOOP, Candidate
+from flash_layers.validate import check_impl, prepare
 
 MODES = ("train", "eval")
 # A candidate passes when max |candidate - reference| <= TOLERANCE * max |reference| for the output
@@ -165,7 +167,6 @@ def _request_kwargs(request: Request, batch: int, num_heads: int, key) -> dict:
     kw.update(dropout_rate=request.dropout_rate, dropout_rng=jax.random.key(1),
               dropout_broadcast=request.dropout_broadcast)
   if request.has_alibi:
-    from flash_layers.contract.alibi import alibi_slopes  # noqa: PLC0415
     kw["alibi_slopes"] = alibi_slopes(num_heads)
   if request.has_bias:
     kw["bias"] = 0.1 * jax.random.normal(key, (1, num_heads, request.q_len, request.kv_len), jnp.float32)
@@ -198,7 +199,7 @@ def _step(impl: str, block_sizes: Any, kwargs: dict, mode: str) -> Callable:
 
 def dispatch_attention(q, k, v, *, impl: str, block_sizes: Any, **kwargs):
   """`fl.attention` on one device (the tuner's calls never carry a mesh)."""
-  request, args = dispatch.prepare(q, k, v, block_sizes=block_sizes, **kwargs)
+  request, args = prepare(q, k, v, block_sizes=block_sizes, **kwargs)
   return dispatch.attend(q, k, v, impl=impl, request=request, args=args)[0]
 
 
@@ -211,13 +212,11 @@ def _validation_sizes(candidate: Candidate, request: Request) -> tuple[int, int,
   candidate's loop decision at the full shape forced, so the check runs the code the call will."""
   batch, kv_heads = min(request.batch, 2), min(request.num_kv_heads, 2)
   sizes = candidate.block_sizes
-  if lowering.default_platform() != "cpu" or candidate.impl not in ("xla_dense", "xla_chunked"):
+  loop_tile = registry.method(candidate.impl, "cpu_loop_tile")  # impls that run the CPU loop
+  if lowering.default_platform() != "cpu" or loop_tile is None:
     return batch, kv_heads, sizes
-  impl = REGISTRY[candidate.impl]
   full = dataclasses.replace(request, block_sizes=sizes)
-  tile = (request.q_len, request.kv_len) if candidate.impl == "xla_dense" else impl.chunk_shape(full)
-  from flash_layers.impls import cpu_loop  # noqa: PLC0415
-  loops = candidates._loops(request, *tile, cpu_loop.loop_bytes(full))
+  loops = cpu_loop.loops_on_shapes(request, *loop_tile(full), cpu_loop.loop_bytes(full))
   base = sizes if isinstance(sizes, CpuBlockSizes) else CpuBlockSizes()
   return batch, kv_heads, dataclasses.replace(base, loop_bytes=0 if loops else NEVER_LOOP)
 
@@ -275,13 +274,13 @@ def tune_request(request: Request, *, impl: str = "auto", mode: str = "train", t
   """Tune one call (its `Request`) on this device; store the winner unless `write` is False."""
   if mode not in MODES:
     raise ValueError(f"mode must be one of {MODES}; got {mode!r}")
-  dispatch.check_impl(impl)
+  check_impl(impl)
   platform = lowering.default_platform()
   request = dataclasses.replace(request, block_sizes=None)
   cands = list(candidate_list) if candidate_list is not None else candidates.for_call(impl, request, platform)
   key = cache.bucket_key(impl, request)
   if not cands:
-    name, _ = dispatch.resolve(impl, request, platform)
+    name = candidates.baseline(impl, request, platform)
     return TuningResult(name, None, cache.SOURCE_DEFAULT, key)
   timer = timer or default_timer(platform)
   start = time.perf_counter()
@@ -317,7 +316,7 @@ def tune_request(request: Request, *, impl: str = "auto", mode: str = "train", t
   winner, default = choose(measured, min_gain)
   elapsed = time.perf_counter() - start
   if winner is None:
-    name, _ = dispatch.resolve(impl, request, platform)
+    name = candidates.baseline(impl, request, platform)
     return TuningResult(name, None, cache.SOURCE_DEFAULT, key, tuple(measured), tuning_seconds=elapsed)
   entry = {
       "impl": winner.candidate.impl, "block_sizes": cache.encode_block_sizes(winner.candidate.block_sizes),
@@ -367,11 +366,11 @@ def autotune(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = 
   Returns:
     A `TuningResult`; `source` is "tuned (cache hit)" when the cache already had it.
   """
-  dispatch.check_impl(impl)
+  check_impl(impl)
   kwargs.pop("block_sizes", None)
   if kwargs.get("segment_ids") is not None and not hasattr(kwargs["segment_ids"], "dtype"):
     kwargs["segment_ids"] = np.asarray(kwargs["segment_ids"])
-  request, _ = dispatch.prepare(query, key, value, **kwargs)
+  request, _ = prepare(query, key, value, **kwargs)
   if not force:
     hit = cache.lookup(impl, request, lowering.default_platform(), cache_dir=cache_dir, shipped_dir=None)
     if hit is not None and hit.source == cache.SOURCE_CACHE:

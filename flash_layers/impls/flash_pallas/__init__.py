@@ -27,6 +27,7 @@ from flash_layers.contract import block_info
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.flash_pallas import decode, kernel_mods
+from flash_layers.impls.flash_pallas.tuning_space import space as _tuning_space
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
 _FAMILY_MODULES = {"tpu": "flash_layers.impls.flash_pallas.tpu",
@@ -116,7 +117,15 @@ def _where(platform: str | None) -> str:
 
 class FlashPallas:
   name = "flash_pallas"
-  capabilities = frozenset({"attention_backward", "block_stats", "grid_steps", "traced_offsets"})
+  capabilities = frozenset({"attention_backward", "block_stats", "grid_steps", "traced_offsets", "dropout",
+                            "retiles_block_mask", "decode_unserved", "tuning_space"})
+  block_size_types = (BlockSizes, GpuBlockSizes)  # the family lowered for checks its own again
+  tuning_space = staticmethod(_tuning_space)  # tuning_space.py
+
+  def decode_unserved(self, request: Request, platform: str) -> str | None:
+    """Why `request` does not take the split-KV decode path (decode.py), or None: the same rule on
+    every platform."""
+    return decode.unserved(request)
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     if request.has_dense_mask:  # the kernels skip blocks by the mask spec, never by an array

@@ -25,10 +25,8 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers.contract import block_info
+from flash_layers.impls import registry
 from flash_layers.impls.base import Request, UnsupportedError
-
-# Served elsewhere when a kernel cannot: the impls that evaluate mods on whole arrays.
-GATHER_IMPLS = ("reference", "xla_dense", "xla_chunked")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,8 +92,8 @@ class Operand:
     if not self._interpret:
       raise UnsupportedError(
           f"a mod reads an operand of shape {self.shape} with index arrays (a gather), which {self._where} "
-          f"cannot lower; impls that serve it: {list(GATHER_IMPLS)} (or index the operand with scalars, "
-          "e.g. prefix[b])")
+          f"cannot lower; impls that serve it: {list(registry.impls_with('mod_gathers'))} (or index the "
+          "operand with scalars, e.g. prefix[b])")
     whole = self._ref[...][:math.prod(self.shape)]  # a GPU kernel's operand is padded to a power of two
     return whole.reshape(self.shape).astype(self.dtype)[index]
 
