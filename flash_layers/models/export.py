@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save_file
 
+from flash_layers.data.tokenize import load_tokenizer
 from flash_layers.errors import UserError
 from flash_layers.models import assets, hf_bert, hf_modernbert
 from flash_layers.models.bert import Bert
@@ -219,7 +220,6 @@ def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
 
 def _tokenizer_source(tokenizer: str | pathlib.Path) -> tuple[Any, pathlib.Path | None]:
   """(tokenizers.Tokenizer, the directory its tokenizer_config.json would be in, or None)."""
-  from flash_layers.data.tokenize import load_tokenizer
   backend = load_tokenizer(tokenizer)
   if str(tokenizer) == "listops":
     return backend, None
