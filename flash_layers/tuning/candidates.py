@@ -22,9 +22,8 @@ from typing import Any
 from flash_layers import auto
 from flash_layers.impls import registry
 from flash_layers.impls.base import Request
-from flash_layers.impls.cpu_loop import NEVER_LOOP
 
-__all__ = ["MAX_DENSE_LOGITS_BYTES", "NEVER_LOOP", "Candidate", "baseline", "for_call", "space"]
+__all__ = ["MAX_DENSE_LOGITS_BYTES", "Candidate", "baseline", "for_call", "space"]
 
 # An impl that materialises the probabilities (the `sow_weights` capability) keeps [b, h, q, kv]
 # float32 (and their gradients under differentiation); above this many bytes "auto" does not time it

@@ -43,7 +43,7 @@ from flash_layers.impls import REGISTRY, cpu_loop, registry
 from flash_layers.impls.base import Request
 from flash_layers.impls.tiling import CpuBlockSizes
 from flash_layers.tuning import cache, candidates
-from flash_layers.tuning.candidates import NEVER_LOOP, Candidate
+from flash_layers.tuning.candidates import Candidate
 from flash_layers.validate import check_impl, prepare
 
 MODES = ("train", "eval")
@@ -218,7 +218,7 @@ def _validation_sizes(candidate: Candidate, request: Request) -> tuple[int, int,
   full = dataclasses.replace(request, block_sizes=sizes)
   loops = cpu_loop.loops_on_shapes(request, *loop_tile(full), cpu_loop.loop_bytes(full))
   base = sizes if isinstance(sizes, CpuBlockSizes) else CpuBlockSizes()
-  return batch, kv_heads, dataclasses.replace(base, loop_bytes=0 if loops else NEVER_LOOP)
+  return batch, kv_heads, dataclasses.replace(base, loop_bytes=0 if loops else cpu_loop.NEVER_LOOP)
 
 
 def _max_relative_error(got, want) -> float:
