@@ -17,13 +17,15 @@ from flash_layers.contract.block_info import BlockMask  # noqa: E402
 from flash_layers.contract.dropout import dropout_mask  # noqa: E402
 from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
 from flash_layers.impls.tiling import BlockSizes, CpuBlockSizes, GpuBlockSizes  # noqa: E402
-from flash_layers.layers import MultiHeadAttention, MultiHeadDotProductAttention, attention_fn  # noqa: E402
+from flash_layers.layers.flax_fn import attention_fn  # noqa: E402
+from flash_layers.layers.linen import MultiHeadAttention, MultiHeadDotProductAttention, SelfAttention  # noqa: E402
 from flash_layers.lowering import interpret_as  # noqa: E402
 from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
 from flash_layers.tuning.tuner import autotune  # noqa: E402
 
 __all__ = ["IMPLS", "LOGICAL_RULES", "BlockMask", "BlockSizes", "CpuBlockSizes", "Explanation",
-           "GpuBlockSizes", "MultiHeadAttention", "MultiHeadDotProductAttention", "UnsupportedError",
+           "GpuBlockSizes", "MultiHeadAttention", "MultiHeadDotProductAttention", "SelfAttention",
+           "UnsupportedError",
            "alibi_slopes", "attention", "attention_fn", "autotune", "block_mask", "dropout_mask", "explain",
            "interpret_as", "make_mesh", "masks"]
 __version__ = "0.1.0"

@@ -106,7 +106,7 @@ class Config:
   """One attention problem. ``segments``: None, "packed" (random packed documents, then
   padding with id 0), "orphans" (packed, plus a document in the queries that no key
   belongs to, so its rows see nothing) or "ragged" (a KV cache: each row's keys valid up to its
-  own length, id 1, then unwritten slots, id -1, as `flash_layers.decoding` marks them; lengths
+  own length, id 1, then unwritten slots, id -1, as `flash_layers.layers.kv_cache` marks them; lengths
   full, random, 0 and short). ``input_scale`` multiplies q and k (large logits
   make the softcap bite)."""
 

@@ -1,4 +1,4 @@
-"""Decoding with a KV cache (flash_layers/decoding.py): the layers' caches against full, uncached runs.
+"""Decoding with a KV cache (flash_layers/layers/kv_cache.py): the layers' caches against full, uncached runs.
 
 The oracle is the same layer (or model) run over the whole sequence without a cache: a decoding call
 must give the outputs of the matching rows of that run. Cached greedy generation of the example decoder
@@ -18,8 +18,9 @@ from flax import nnx
 
 import flash_layers as fl
 from examples import decoder
-from flash_layers import decoding, lowering
+from flash_layers import lowering
 from flash_layers import nnx as flnnx
+from flash_layers.layers import kv_cache
 
 # Every impl with traced offsets (the cache index is traced under jit); jax_splash's mask is static.
 DECODE_IMPLS = ("reference", "xla_dense", "xla_chunked", "xla_native", "flash_pallas")
@@ -171,11 +172,11 @@ def test_cached_greedy_generation_equals_uncached(impl):
 
 def test_cache_layout_and_ring_detection():
   ring_layer = fl.MultiHeadAttention(num_heads=2, causal=True, window=(4, 0))
-  assert decoding.layout(ring_layer, 100) == decoding.Layout(4, ring=True)
-  assert decoding.layout(ring_layer, 3) == decoding.Layout(3, ring=False)
-  assert decoding.is_ring(ring_layer, 4) and not decoding.is_ring(ring_layer, 100)
+  assert kv_cache.layout(ring_layer, 100) == kv_cache.Layout(4, ring=True)
+  assert kv_cache.layout(ring_layer, 3) == kv_cache.Layout(3, ring=False)
+  assert kv_cache.is_ring(ring_layer, 4) and not kv_cache.is_ring(ring_layer, 100)
   bidirectional = fl.MultiHeadAttention(num_heads=2, window=4)
-  assert decoding.layout(bidirectional, 100) == decoding.Layout(100, ring=False)
+  assert kv_cache.layout(bidirectional, 100) == kv_cache.Layout(100, ring=False)
 
 
 # fl.attention's q_offset / kv_offset against the float64 oracle: a decoding-shaped call (a few queries

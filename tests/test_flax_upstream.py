@@ -20,7 +20,10 @@ SWAPS = {
     "linen_attention_test.py": (
         ("from flax import linen as nn\n", "from flax import linen as nn\nimport flash_layers as fl\n"),
         ("nn.MultiHeadDotProductAttention(", "fl.MultiHeadDotProductAttention("),
-        ("nn.MultiHeadAttention(", "fl.MultiHeadAttention("),
+        # flax's nn.MultiHeadAttention is an alias of nn.MultiHeadDotProductAttention (plain arrays); ours
+        # boxes its parameters with logical axis names by default, for sharded models. Its flax-tree form
+        # is logical_axis_names=False (with the boxed default the two alias tests fail on boxes vs arrays).
+        ("nn.MultiHeadAttention(", "fl.MultiHeadAttention(logical_axis_names=False, "),
     ),
     "nnx_attention_test.py": (
         ("from flax import nnx\n", "from flax import nnx\nfrom flash_layers import nnx as flnnx\n"),
@@ -31,9 +34,6 @@ SWAPS = {
 # Each remaining difference, with its reason (also in docs/layers.md).
 EXPECTED_FAILURES = {
     "AttentionTest.test_dtype_infer": "complex inputs: the contract is floating point (TypeError by name)",
-    "AttentionTest.test_mha_out_initializers":
-        "our params carry logical axis names (nn.LogicallyPartitioned); the test does arithmetic on boxed "
-        "values",
     "AttentionTest.test_multihead_kv_args":
         "`inputs_kv` is our name for the keys' inputs, so it does not raise flax's DeprecationWarning",
     "AttentionTest.test_multihead_mask_warning":
@@ -67,4 +67,11 @@ def test_flax_module_tests_pass_with_our_classes(tmp_path):
   assert failed == set(EXPECTED_FAILURES), (
       f"unexpected failures: {sorted(failed - set(EXPECTED_FAILURES))}; "
       f"now passing (remove from EXPECTED_FAILURES): {sorted(set(EXPECTED_FAILURES) - failed)}")
-  assert len(passed) >= 133, len(passed)  # 133 of 137 with flax 0.12.8's files
+  assert len(passed) >= 134, len(passed)  # 134 of 137 with flax 0.12.8's files
+
+
+def test_docs_list_each_expected_failure():
+  """docs/layers.md's table of the differences names exactly these tests."""
+  docs = (ROOT / "docs" / "layers.md").read_text(encoding="utf-8")
+  for name in EXPECTED_FAILURES:
+    assert f"| `{name.split('.', 1)[1]}` |" in docs, name

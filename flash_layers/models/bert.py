@@ -27,7 +27,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flash_layers.layers import MultiHeadAttention
+from flash_layers.layers.linen import MultiHeadAttention
 
 POOLINGS = ("cls", "mean")
 # Compute dtypes a config may name (parameters stay float32).

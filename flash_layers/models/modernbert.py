@@ -26,7 +26,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flash_layers.layers import MultiHeadAttention
+from flash_layers.layers.linen import MultiHeadAttention
 from flash_layers.models.bert import (
     ACTIVATION_AXES,
     POOLINGS,

@@ -65,7 +65,7 @@ class Layout:
   ring: bool  # a sliding-window ring buffer (slots = the window's left extent)
 
 
-def _ring_slots(layer) -> int | None:
+def _ring_slots(layer) -> int | None:  # layer: core.AttentionFields, or a layer with causal and window
   """The ring buffer's size for a causal layer with a sliding window, else None."""
   window = mask_rules.normalize_window(layer.window)
   if layer.causal and window is not None:
@@ -127,7 +127,7 @@ def step(cache: dict[str, jax.Array], query, key, value, segment_ids, *, ring: b
 
   query [b, n, heads, d], key/value [b, n, kv_heads, d] (the new tokens' projections, rotated);
   `attend(query, key, value, segment_ids, kv_segment_ids, q_offset, kv_offset)` runs the layer's
-  attention (`layers.attend_heads` with the offsets); `cache_layout` is the layer's."""
+  attention (`core.attend_heads` with the offsets); `cache_layout` is the layer's."""
   index = cache["cache_index"]
   ck, cv, cs = cache["cached_key"], cache["cached_value"], cache["cached_segment_ids"]
   slots = cs.shape[1]
