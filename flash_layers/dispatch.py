@@ -17,13 +17,8 @@ import jax
 import numpy as np
 
 from flash_layers import auto, lowering
-from flash_layers.auto import AUTO, choose  # noqa: F401 (choose: a re-export, see below)
+from flash_layers.auto import AUTO
 from flash_layers.impls import REGISTRY, Args, Request, registry
-
-# Re-exported (with `choose` above) for flash_layers/layers.py, nnx.py and haiku.py, which another change
-# moves to validate / auto (`dispatch.prepare` -> `validate.prepare`, `dispatch.AUTO` -> `auto.AUTO`, ...);
-# remove the re-exports then. Everything else imports these names from validate.py and auto.py.
-from flash_layers.validate import as_qkv, check_impl, normalize_precision, prepare  # noqa: F401
 
 # Platforms whose choice may differ: the call is lowered with one branch per platform.
 _DISPATCH_PLATFORMS = ("cpu", "tpu", "cuda", "rocm")

@@ -19,10 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "flash_layers"
 IMPLS_DIR = PACKAGE / "impls"
 
 # file (relative to the repository) -> why its impl names stay for now.
-KNOWN: dict[str, str] = {
-    "flash_layers/layers.py": "SOWS_WEIGHTS (a tuple of impl names, compared with `in`): the layers "
-                              "package change replaces it by registry.impl_has(name, 'sow_weights')",
-}
+KNOWN: dict[str, str] = {}
 
 
 def _names_in(node: ast.AST) -> list[str]:

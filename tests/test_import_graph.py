@@ -228,10 +228,17 @@ def test_every_lazy_import_is_listed_with_its_reason():
 
 
 @pytest.mark.parametrize("module", ["flash_layers.api", "flash_layers.parallel.sharded",
-                                    "flash_layers.parallel.ring", "flash_layers.layers"])
+                                    "flash_layers.parallel.ring"])
 def test_dispatch_is_imported_at_the_top(module):
-  """The layers and the parallel paths use dispatch directly, not through api."""
+  """api and the parallel paths run calls through dispatch directly (the parallel ones not through api)."""
   graph = import_graph()
   assert "flash_layers.dispatch" in graph[module]
   if module != "flash_layers.api":
-    assert "flash_layers.api" not in graph[module] or module == "flash_layers.layers"
+    assert "flash_layers.api" not in graph[module]
+
+
+def test_the_layers_call_attention_through_api_only():
+  """The layers validate (validate, auto) and run through api.run, the path of fl.attention itself."""
+  graph = import_graph()
+  core = graph["flash_layers.layers.core"]
+  assert "flash_layers.api" in core and "flash_layers.dispatch" not in core

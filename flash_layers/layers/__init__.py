@@ -9,15 +9,13 @@
 * kv_cache.py: the KV cache of a decoding layer; rotary.py: rotary position embeddings.
 
 This package's own namespace holds only core's names, so importing a framework's module (the Haiku one,
-say) does not import the others' frameworks. The layers use dispatch directly, not through api.
+say) does not import the others' frameworks.
 """
 
-from flash_layers import dispatch  # noqa: F401  (the layers' validation and choice: see the docstring)
 from flash_layers.layers.core import (  # noqa: F401
     KV_KERNEL_AXES,
     OUT_BIAS_AXES,
     OUT_KERNEL_AXES,
     QUERY_KERNEL_AXES,
-    SOWS_WEIGHTS,
     AttentionFields,
 )

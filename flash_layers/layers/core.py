@@ -18,15 +18,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from flash_layers import api, dispatch, lowering
+from flash_layers import api, auto, lowering, validate
 from flash_layers.contract import alibi as alibi_lib
-from flash_layers.impls import UnsupportedError
+from flash_layers.impls import UnsupportedError, registry
 from flash_layers.impls import reference as reference_impl
 from flash_layers.layers import kv_cache, rotary
 from flash_layers.parallel import sharded
-
-# The impls whose attention materialises the probabilities: a call with sow_weights=True must resolve to one.
-SOWS_WEIGHTS = ("reference", "xla_dense", "xla_native")
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
 QUERY_KERNEL_AXES = ("embed", "heads", "head_dim")
@@ -49,7 +46,7 @@ class AttentionFields:
   head_dim_v: int | None = None
   out_features: int | None = None
   qkv_features: int | None = None
-  impl: str = dispatch.AUTO
+  impl: str = auto.AUTO
   causal: bool = False
   window: int | tuple[int, int] | None = None
   global_tokens: int = 0
@@ -94,7 +91,7 @@ def _check_positive_int(name: str, value, *, optional: bool):
 
 def check_fields(fields: AttentionFields) -> None:
   """Validate a layer's fields at construction (everything that does not need the inputs)."""
-  dispatch.check_impl(fields.impl)
+  validate.check_impl(fields.impl)
   _check_positive_int("num_heads", fields.num_heads, optional=False)
   for name in ("num_kv_heads", "head_dim", "head_dim_v", "out_features", "qkv_features"):
     _check_positive_int(name, getattr(fields, name), optional=True)
@@ -114,7 +111,7 @@ def check_fields(fields: AttentionFields) -> None:
     fn = getattr(fields, name)
     if fn is not None and not callable(fn):
       raise TypeError(f"{name} must be a callable (contract/mods.py) or None; got {type(fn).__name__}")
-  dispatch.normalize_precision(fields.precision)
+  validate.normalize_precision(fields.precision)
   rotary.check_theta(fields.rope_theta)
   _check_bool(fields, "decode")
   kv_cache.check_cache_layout(fields.cache_layout)
@@ -264,7 +261,8 @@ def flatten_batch_dims(inputs_q, inputs_kv, inputs_v, segment_ids, kv_segment_id
 def attention_weights(fields: AttentionFields, batch_shape, query, key, value, segment_ids, kv_segment_ids,
                       dropout_rng=None, sinks=None, mod_operands=None, mask=None) -> jax.Array:
   """The probabilities [batch..., heads, q_len, kv_len] of the call `attend_heads` makes, for flax's
-  `sow_weights`: served when that call runs an impl that materialises them (SOWS_WEIGHTS), unsharded.
+  `sow_weights`: served when that call runs an impl that materialises them (capability
+  "sow_weights"), unsharded.
   Their dtype is flax's: float32 with force_fp32_for_softmax, else the queries'."""
   options = _options(fields, segment_ids, kv_segment_ids, dropout_rng, mod_operands, None, 0, 0, mask)
   weights = probabilities(query, key, value, fields.impl, fields.mesh, sinks, options)
@@ -276,11 +274,11 @@ def probabilities(query, key, value, impl: str, mesh, sinks, options: dict) -> j
   """The probabilities [batch, heads, q_len, kv_len] of `api.run(query, key, value, impl=impl, **options)`."""
   if sharded.resolve_mesh(mesh) is not None:
     raise UnsupportedError("sow_weights on a mesh: the probabilities are not gathered; call without a mesh")
-  request, args = dispatch.prepare(query, key, value, **options)
-  name = dispatch.choose(impl, request, lowering.default_platform())[0]
-  if name not in SOWS_WEIGHTS:
+  request, args = validate.prepare(query, key, value, **options)
+  name = auto.choose(impl, request, lowering.default_platform())[0]
+  if not registry.impl_has(name, "sow_weights"):
     raise UnsupportedError(f"sow_weights with impl {name!r}, which never materialises the attention "
-                           f"probabilities; use impl= one of {SOWS_WEIGHTS}")
+                           f"probabilities; use impl= one of {registry.impls_with('sow_weights')}")
   return reference_impl.weights(query, key, request=request, args=args, sinks=sinks)
 
 
@@ -324,7 +322,7 @@ def attend_heads(fields: AttentionFields, query, key, value, segment_ids, kv_seg
 
 def _options(fields: AttentionFields, segment_ids, kv_segment_ids, dropout_rng, mod_operands, block_mask,
              q_offset, kv_offset, mask):
-  """`dispatch.prepare`'s keywords for a layer's call."""
+  """`validate.prepare`'s keywords for a layer's call."""
   return dict(causal=fields.causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
               window=fields.window,
               global_tokens=fields.global_tokens, scale=fields.scale, softcap=fields.softcap,

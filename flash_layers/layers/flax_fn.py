@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx as flax_nnx
 
-from flash_layers import api, dispatch
+from flash_layers import api, auto, validate
 from flash_layers.impls import UnsupportedError
 from flash_layers.layers import core
 
@@ -36,7 +36,7 @@ def _sow(module, weights) -> None:
     module.sow("intermediates", "attention_weights", weights)
 
 
-def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
+def attention_fn(impl: str = auto.AUTO, **fixed_kwargs: Any) -> Callable[..., jax.Array]:
   """An `attention_fn` for `flax.linen.MultiHeadDotProductAttention` / `flax.nnx.MultiHeadAttention`.
 
       layer = nn.MultiHeadDotProductAttention(num_heads=8, attention_fn=fl.attention_fn(impl="xla_chunked"))
@@ -72,7 +72,7 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
     them (reference, xla_dense, xla_native); any other raises UnsupportedError("sow_weights").
   Refused by name: custom einsums.
   """
-  dispatch.check_impl(impl)
+  validate.check_impl(impl)
   unknown = sorted(set(fixed_kwargs) - set(_FIXED_KWARGS))
   if unknown:
     raise TypeError(f"attention_fn got unknown option(s) {unknown}; allowed: {list(_FIXED_KWARGS)}")
@@ -96,7 +96,7 @@ def attention_fn(impl: str = dispatch.AUTO, **fixed_kwargs: Any) -> Callable[...
                          "needs a dropout_rng (flax modules pass one from the 'dropout' rng stream)")
       dropout_kwargs = dict(dropout_rate=dropout_rate, dropout_rng=dropout_rng,
                             dropout_broadcast=bool(broadcast_dropout))
-    query, key, value = dispatch.as_qkv(query, key, value)
+    query, key, value = validate.as_qkv(query, key, value)
     if dtype is None:
       dtype = jnp.result_type(query, key, value)
     query, key, value = (x.astype(dtype) for x in (query, key, value))

@@ -21,7 +21,7 @@ except ImportError as err:  # pragma: no cover - depends on the environment
   raise ImportError("flash_layers.haiku needs dm-haiku; install it with "
                     "`pip install flash-layers[haiku]`") from err
 
-from flash_layers import dispatch
+from flash_layers import auto
 from flash_layers.layers import core
 
 _PROJECTIONS = ("query", "key", "value", "out")
@@ -39,7 +39,7 @@ class MultiHeadAttention(hk.Module):
   """
 
   def __init__(self, num_heads: int, *, num_kv_heads: int | None = None, head_dim: int | None = None,
-               head_dim_v: int | None = None, out_features: int | None = None, impl: str = dispatch.AUTO,
+               head_dim_v: int | None = None, out_features: int | None = None, impl: str = auto.AUTO,
                causal: bool = False, window: int | tuple[int, int] | None = None,
                global_tokens: int = 0, softcap: float | None = None, scale: float | None = None,
                block_sizes: Any = None, rope_theta: float | None = None, dtype: Any = None,

@@ -22,7 +22,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from flash_layers import dispatch
+from flash_layers import auto
 from flash_layers.layers import core, kv_cache
 
 
@@ -137,7 +137,7 @@ class MultiHeadAttention(nn.Module):
   head_dim: int | None = None
   head_dim_v: int | None = None
   out_features: int | None = None
-  impl: str = dispatch.AUTO
+  impl: str = auto.AUTO
   causal: bool = False
   window: int | tuple[int, int] | None = None
   global_tokens: int = 0
@@ -206,7 +206,7 @@ class MultiHeadAttention(nn.Module):
     inputs_k (= inputs_kv), mask (boolean, broadcastable to [batch, heads, q_len, kv_len]; True:
     attend), deterministic (None: the field's, else True), dropout_rng (instead of the "dropout" rng
     stream), sow_weights (sow the probabilities [batch, heads, q_len, kv_len] as
-    intermediates/attention_weights; for impls in core.SOWS_WEIGHTS, UnsupportedError otherwise).
+    intermediates/attention_weights; for impls with the "sow_weights" capability, UnsupportedError otherwise).
     Returns [batch, q_len, out_features].
     """
     inputs_kv, inputs_v, self_attention = core.key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v)

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from flash_layers import dispatch
+from flash_layers import auto
 from flash_layers.layers import core, kv_cache
 
 _PROJECTIONS = ("query", "key", "value", "out")
@@ -61,7 +61,7 @@ class MultiHeadAttention(nnx.Module):
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
                out_features: int | None = None, num_kv_heads: int | None = None,
                in_kv_features: int | None = None, *, head_dim: int | None = None,
-               head_dim_v: int | None = None, impl: str = dispatch.AUTO, causal: bool = False,
+               head_dim_v: int | None = None, impl: str = auto.AUTO, causal: bool = False,
                window: int | tuple[int, int] | None = None, global_tokens: int = 0,
                softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
                rope_theta: float | None = None, mesh: Any = None,
