@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import importlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -113,8 +114,22 @@ def _call(request: Request, args: Args, family: str, interpret: bool) -> DecodeC
                     splits=splits, rows=group * request.q_len, static_offsets=static)
 
 
+class Run(NamedTuple):
+  """One batch row's entry of the plan: its run of kv blocks and the blocks each split takes."""
+
+  first: jax.Array      # first kv block holding a key some query of the row sees
+  count: jax.Array      # blocks in the run (0 when the row sees nothing)
+  per_split: jax.Array  # blocks per split
+
+
+def run(plan_ref, b) -> Run:
+  """Row b's `Run` in the flat plan a kernel reads (`plan(...).reshape(-1)`: a ref or an array)."""
+  words = len(Run._fields)
+  return Run(*(plan_ref[words * b + i] for i in range(words)))
+
+
 def plan(call: DecodeCall, q_seg, kv_seg, offsets) -> jax.Array:
-  """int32 [batch, 3]: per batch row (first kv block, number of kv blocks, blocks per split) of the
+  """int32 [batch, 3]: per batch row its `Run` (first kv block, number of kv blocks, blocks per split) of the
   run of blocks holding a key that some query of the row sees. A row that sees nothing gets (0, 0, 0).
 
   The [batch, q_len, kv_len] visibility is small here (q_len <= FEW_QUERIES); it is the one predicate
@@ -243,7 +258,7 @@ def block_stats(request: Request, args: Args, family: str) -> tuple[int, int] | 
   if table is None:
     return None
   kvh = request.num_kv_heads
-  return int(table[:, 1].sum()) * kvh, request.batch * kvh * call.num_blocks
+  return int(table[:, Run._fields.index("count")].sum()) * kvh, request.batch * kvh * call.num_blocks
 
 
 def grid_steps(request: Request, args: Args, family: str) -> int | None:

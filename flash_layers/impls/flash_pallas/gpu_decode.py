@@ -66,7 +66,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
   r = call.request
   split, bk = pl.program_id(0), pl.program_id(1)
   b = bk // r.num_kv_heads
-  first, count, per_split = plan_ref[3 * b], plan_ref[3 * b + 1], plan_ref[3 * b + 2]
+  first, count, per_split = decode.run(plan_ref, b)
   lo = split * per_split
   hi = jnp.minimum(lo + per_split, count)
   block_kv = call.block_kv

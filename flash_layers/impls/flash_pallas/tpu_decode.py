@@ -83,7 +83,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, row_pos_ref, *refs, call
   # running sum of exp2(logit - m); acc_scr [rows, dv]: the running sum of exp2(logit - m) * v.
   r = call.request
   b, split, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  first, count, per_split = plan_ref[3 * b], plan_ref[3 * b + 1], plan_ref[3 * b + 2]
+  first, count, per_split = decode.run(plan_ref, b)
   index = split * per_split + t  # this step's block within the row's run
 
   @pl.when(t == 0)
@@ -132,9 +132,9 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
   def kv_block(b, split, t, plan):
     """The block of step t of `split` in row b: clamped into the split's run, so a step past it
     re-names the previous tile (no DMA)."""
-    per_split = plan[3 * b + 2]
-    index = split * per_split + jnp.minimum(t, jnp.maximum(per_split - 1, 0))
-    return plan[3 * b] + jnp.minimum(index, jnp.maximum(plan[3 * b + 1] - 1, 0))
+    row = decode.run(plan, b)
+    index = split * row.per_split + jnp.minimum(t, jnp.maximum(row.per_split - 1, 0))
+    return row.first + jnp.minimum(index, jnp.maximum(row.count - 1, 0))
 
   def kv_spec(width):
     return pl.BlockSpec((None, None, call.block_kv, width),
