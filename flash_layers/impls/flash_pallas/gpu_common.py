@@ -140,7 +140,7 @@ def _visit_ranges(ranges, visit, carry):
 
 
 # ----------------------------------------------------------------------------
-# The tile computation shared by all three kernels
+# The tile computation shared by every kernel (forward, dK/dV, dQ, decode)
 # ----------------------------------------------------------------------------
 
 class Tile(NamedTuple):

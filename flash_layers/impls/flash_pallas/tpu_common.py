@@ -118,6 +118,10 @@ class Step(NamedTuple):
   last: jax.Array     # last step (write the output block)
 
 
+# ----------------------------------------------------------------------------
+# One grid step's tile: positions, mods, element mask, ALiBi, dropout
+# ----------------------------------------------------------------------------
+
 def column(row):
   """A [1, n] row as an [n, LANES] lane-replicated column, via a supported 2-D transpose."""
   return jnp.transpose(jnp.broadcast_to(row, (LANES, row.shape[1])))
@@ -154,7 +158,7 @@ def mod_at(cfg: TpuCall, operands: tuple, batch, head, tile: Tile | None) -> Mod
   return Mod(mods.Indices(batch, head, tile.q_pos, tile.kv_pos), operands)
 
 
-def tile_visible(cfg: TpuCall, tile: Tile, q_seg, kv_seg, mod: Mod | None = None):
+def tile_visible(cfg: TpuCall | decode.DecodeCall, tile: Tile, q_seg, kv_seg, mod: Mod | None = None):
   """The element mask of one tile: the built-in rules, AND the mask_mod's verdict."""
   ok = mask_rules.visible(tile.q_pos, tile.kv_pos, cfg.request.spec, q_seg, kv_seg)
   if cfg.request.mask_mod is not None:
@@ -191,11 +195,15 @@ def when_visited(step: Step, update):
   pl.when(step.visited & ~step.full)(lambda: update(masked=True))
 
 
+# ----------------------------------------------------------------------------
+# The logits step and the online softmax
+# ----------------------------------------------------------------------------
+
 NT = ((1,), (1,))  # dot_general contractions: a @ b^T and a @ b
 NN = ((1,), (0,))
 
 
-def dot(cfg: TpuCall, a, b, contract):
+def dot(cfg: TpuCall | decode.DecodeCall, a, b, contract):
   """a @ b (or a @ b^T) in float32 at the call's precision.
 
   Pallas lowers DEFAULT to a Mosaic matmul without a contraction precision (Mosaic's default) and
@@ -216,7 +224,7 @@ def dot(cfg: TpuCall, a, b, contract):
   return one(a_lo, b_hi) + one(a_hi, b_lo) + one(a_hi, b_hi)
 
 
-def unit(cfg: TpuCall) -> float:
+def unit(cfg: TpuCall | decode.DecodeCall) -> float:
   """What the logits (scale * q.k + alibi) are multiplied by before `tile_logits` returns or caps
   them: base 2 (log2 e; the softmax runs on exp2) without a softcap; with one, whose tanh needs
   natural units, 1 / softcap (`tile_logits` then multiplies the tanh by softcap * log2 e: one multiply
@@ -226,7 +234,7 @@ def unit(cfg: TpuCall) -> float:
   return LOG2E if cfg.request.softcap is None else 1.0 / cfg.request.softcap
 
 
-def fold(cfg: TpuCall) -> float:
+def fold(cfg: TpuCall | decode.DecodeCall) -> float:
   """The factor folded into the q tile once per q block, so that the dot itself yields the
   logits in `unit`s: scale * log2 e, or scale / softcap."""
   return cfg.request.scale * unit(cfg)
