@@ -26,8 +26,9 @@ def test_reads_match_what_build_writes(alibi, rate):
                              head_offset=jnp.int32(1))
   table = scalar_table.build(request, args, b)
   layout = scalar_table.Table.of(request)
-  assert int(table[scalar_table.Q_OFFSET]) == int(args.q_offset)
-  assert int(table[scalar_table.KV_OFFSET]) == int(args.kv_offset)
+  offsets = scalar_table.offsets(table)  # what the kernels read
+  assert (int(offsets.q), int(offsets.kv)) == (int(args.q_offset), int(args.kv_offset))
+  assert (table[:2] == scalar_table.offsets_table(args.q_offset, args.kv_offset)).all()  # the decode table
   expected_len = 2 + (h if alibi else 0) + (b * h if rate else 0)
   assert table.shape == (expected_len,)
   for head in range(h):

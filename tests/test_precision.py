@@ -21,7 +21,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers import validate
-from flash_layers.impls.flash_pallas import tpu
+from flash_layers.impls.flash_pallas import tpu_common
 from flash_layers.testing import reference64
 
 DEFAULT, HIGH, HIGHEST = jax.lax.Precision.DEFAULT, jax.lax.Precision.HIGH, jax.lax.Precision.HIGHEST
@@ -131,7 +131,7 @@ def test_tpu_high_is_bf16x3():
 
   def error(precision):
     call = types.SimpleNamespace(request=types.SimpleNamespace(precision=precision))
-    out = tpu._dot(call, jnp.asarray(a), jnp.asarray(b), tpu._NN)
+    out = tpu_common.dot(call, jnp.asarray(a), jnp.asarray(b), tpu_common.NN)
     return float(np.max(np.abs(np.asarray(out, np.float64) - exact) / magnitude))
 
   high = error(HIGH)

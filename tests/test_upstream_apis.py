@@ -132,10 +132,10 @@ def test_abstract_mesh_attributes():
     ("parallel/sharded.py: shard_map", [("jax", "shard_map"), ("jax.experimental.shard_map", "shard_map")]),
     ("parallel/sharded.py: reshard", [("jax.sharding", "reshard"), ("jax", "reshard")]),
     ("parallel/mesh.py: AxisType", [("jax.sharding", "AxisType")]),
-    ("flash_pallas/tpu.py: compiler params", [("jax.experimental.pallas.tpu", "CompilerParams"),
-                                               ("jax.experimental.pallas.tpu", "TPUCompilerParams")]),
-    ("flash_pallas/tpu.py: interpret params", [("jax.experimental.pallas.tpu", "InterpretParams")]),
-    ("flash_pallas/gpu.py: compiler params", [("jax.experimental.pallas.triton", "CompilerParams")]),
+    ("flash_pallas/tpu_common.py: compiler params", [("jax.experimental.pallas.tpu", "CompilerParams"),
+                                                      ("jax.experimental.pallas.tpu", "TPUCompilerParams")]),
+    ("flash_pallas/tpu_common.py: interpret params", [("jax.experimental.pallas.tpu", "InterpretParams")]),
+    ("flash_pallas/gpu_fwd.py: compiler params", [("jax.experimental.pallas.triton", "CompilerParams")]),
 ])
 def test_a_name_each_fallback_chain_tries_exists(where, names):
   """The code tries these names in turn (getattr with a default); at least one must exist."""

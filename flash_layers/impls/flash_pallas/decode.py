@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import importlib
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ import numpy as np
 from flash_layers.contract import mask_rules
 from flash_layers.impls import cpu_loop
 from flash_layers.impls.base import Args, Request
+from flash_layers.impls.flash_pallas import scalar_table
 
 # Query rows of one program (GQA group * q_len): the q tile, the logits tile and the accumulator
 # stay small enough for registers (GPU) and a few vregs per row block (TPU).
@@ -112,16 +114,31 @@ def _call(request: Request, args: Args, family: str, interpret: bool) -> DecodeC
                     splits=splits, rows=group * request.q_len, static_offsets=static)
 
 
+class Run(NamedTuple):
+  """One batch row's entry of the plan: its run of kv blocks and the blocks each split takes."""
+
+  first: jax.Array      # first kv block holding a key some query of the row sees
+  count: jax.Array      # blocks in the run (0 when the row sees nothing)
+  per_split: jax.Array  # blocks per split
+
+
+def run(plan_ref, b) -> Run:
+  """Row b's `Run` in the flat plan a kernel reads (`plan(...).reshape(-1)`: a ref or an array)."""
+  words = len(Run._fields)
+  return Run(*(plan_ref[words * b + i] for i in range(words)))
+
+
 def plan(call: DecodeCall, q_seg, kv_seg, offsets) -> jax.Array:
-  """int32 [batch, 3]: per batch row (first kv block, number of kv blocks, blocks per split) of the
+  """int32 [batch, 3]: per batch row its `Run` (first kv block, number of kv blocks, blocks per split) of the
   run of blocks holding a key that some query of the row sees. A row that sees nothing gets (0, 0, 0).
 
   The [batch, q_len, kv_len] visibility is small here (q_len <= FEW_QUERIES); it is the one predicate
   every impl evaluates, so the run can never drop a visible key.
   """
   r = call.request
-  q_pos = offsets[0] + jnp.arange(r.q_len, dtype=jnp.int32)
-  kv_pos = offsets[1] + jnp.arange(r.kv_len, dtype=jnp.int32)
+  q_off, kv_off = scalar_table.offsets(offsets)
+  q_pos = q_off + jnp.arange(r.q_len, dtype=jnp.int32)
+  kv_pos = kv_off + jnp.arange(r.kv_len, dtype=jnp.int32)
   seen = mask_rules.visible(q_pos[:, None], kv_pos[None, :], r.spec,
                        None if q_seg is None else q_seg[:, :, None],
                        None if kv_seg is None else kv_seg[:, None, :])
@@ -197,7 +214,7 @@ def _attend_bwd(call: DecodeCall, residuals, cotangents):
   # D_i = rowsum(dO * O)_i - dlse_i, then the family's backward kernels from the merged lse.
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32),
                      precision=jax.lax.Precision.HIGHEST) - d_lse
-  q_off, kv_off = call.static_offsets or (offsets[0], offsets[1])
+  q_off, kv_off = call.static_offsets or scalar_table.offsets(offsets)
   args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_offset=q_off, kv_offset=kv_off)
   family = importlib.import_module(f"flash_layers.impls.flash_pallas.{call.family}")
   dq, dk, dv = family.attention_backward(q, k, v, lse, delta, d_out, request=call.request, args=args,
@@ -212,7 +229,7 @@ def attention(q, k, v, *, request: Request, args: Args, family: str, interpret: 
   """(out [b, q, h, dv] in q.dtype, lse [b, h, q] float32) by the decode kernels of `family`;
   differentiable in q, k, v and through lse."""
   call = _call(request, args, family, interpret)
-  offsets = jnp.asarray([args.q_offset, args.kv_offset], jnp.int32)
+  offsets = scalar_table.offsets_table(args.q_offset, args.kv_offset)  # the decode kernels' table
   return _attend(call, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets)
 
 
@@ -230,7 +247,7 @@ def _concrete_plan(request: Request, args: Args, family: str):
   if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids,
                                                   args.q_offset, args.kv_offset)):
     return call, None
-  offsets = jnp.asarray([args.q_offset, args.kv_offset], jnp.int32)
+  offsets = scalar_table.offsets_table(args.q_offset, args.kv_offset)
   return call, np.asarray(plan(call, args.q_segment_ids, args.kv_segment_ids, offsets))
 
 
@@ -241,7 +258,7 @@ def block_stats(request: Request, args: Args, family: str) -> tuple[int, int] | 
   if table is None:
     return None
   kvh = request.num_kv_heads
-  return int(table[:, 1].sum()) * kvh, request.batch * kvh * call.num_blocks
+  return int(table[:, Run._fields.index("count")].sum()) * kvh, request.batch * kvh * call.num_blocks
 
 
 def grid_steps(request: Request, args: Args, family: str) -> int | None:

@@ -25,11 +25,20 @@ from jax.experimental.pallas import triton as plgpu
 
 from flash_layers.contract import mask_rules
 from flash_layers.impls.base import Request
-from flash_layers.impls.flash_pallas import decode
-from flash_layers.impls.flash_pallas.gpu import _dot, _load, _ragged, _store, pow2_tile
+from flash_layers.impls.flash_pallas import decode, scalar_table
+from flash_layers.impls.flash_pallas.gpu_common import (
+  LOG2E,
+  Tile,
+  dot,
+  load,
+  pow2_tile,
+  ragged,
+  softmax_update,
+  store,
+  tile_logits,
+)
 from flash_layers.impls.tiling import GpuBlockSizes, round_up
 
-LOG2E = math.log2(math.e)
 # Keys per loop step: 64 keys of up to 128 dims keep K, V and a [rows, 64] logits tile in registers for
 # 4 warps at 128 rows; wider heads take 32 (FlashAttention-2's decode tiles are of this size).
 BLOCK_KV = 64
@@ -57,39 +66,30 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
   r = call.request
   split, bk = pl.program_id(0), pl.program_id(1)
   b = bk // r.num_kv_heads
-  first, count, per_split = plan_ref[3 * b], plan_ref[3 * b + 1], plan_ref[3 * b + 2]
+  first, count, per_split = decode.run(plan_ref, b)
   lo = split * per_split
   hi = jnp.minimum(lo + per_split, count)
   block_kv = call.block_kv
-  kv_rows = _ragged(r.kv_len, block_kv)
+  kv_rows = ragged(r.kv_len, block_kv)
   q = q_ref[...]  # [rows_pad, d_pad], padded in HBM
-  q_pos = offsets_ref[0] + (jnp.arange(rows_pad, dtype=jnp.int32) % r.q_len)[:, None]
-  q_seg = q_seg_ref[...][:, None] if r.has_segment_ids else None
+  offsets = scalar_table.offsets(offsets_ref)
+  # Row r is query r % q_len of the step (`decode.pack_queries`): its position, whatever its head.
+  q_pos = offsets.q + (jnp.arange(rows_pad, dtype=jnp.int32) % r.q_len)[:, None]
+  q_seg = q_seg_ref[...] if r.has_segment_ids else None
 
   def step(i, carry):
     acc, m, denom = carry
-    block = first + i
-    start = block * block_kv
+    start = (first + i) * block_kv
     kv_slice = pl.ds(start, block_kv)
-    k = _load(k_ref.at[kv_slice, :], start, kv_rows, r.head_dim)
-    s = _dot(call, q, k, ((1,), (1,)))  # [rows_pad, block_kv], at the request's precision
-    if r.softcap is None:
-      s = s * (r.scale * LOG2E)
-    else:
-      s = jnp.tanh(s * (r.scale / r.softcap)) * (r.softcap * LOG2E)
+    k = load(k_ref.at[kv_slice, :], start, kv_rows, r.head_dim)
     kv_local = start + jnp.arange(block_kv, dtype=jnp.int32)
-    kv_seg = None
-    if r.has_segment_ids:
-      kv_seg = _load(kv_seg_ref.at[kv_slice], start, kv_rows, other=-1)[None, :]
-    visible = mask_rules.visible(q_pos, (offsets_ref[1] + kv_local)[None, :], r.spec, q_seg, kv_seg)
-    visible = visible & (kv_local < r.kv_len)[None, :]
-    s = jnp.where(visible, s, -jnp.inf)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing visible yet: exp2 gives 0, not NaN
-    rescale = jnp.exp2(m - m_safe)
-    p = jnp.exp2(s - m_safe[:, None])
-    v = _load(v_ref.at[kv_slice, :], start, kv_rows, r.head_dim_v)
-    acc = acc * rescale[:, None] + _dot(call, p.astype(v.dtype), v, ((1,), (0,)))
+    kv_seg = load(kv_seg_ref.at[kv_slice], start, kv_rows, other=-1) if r.has_segment_ids else None
+    # The family's logits step (every tile masked: the row's run starts and ends anywhere).
+    s, _ = tile_logits(call, q, k, Tile(q_pos, (offsets.kv + kv_local)[None, :], kv_local), True,
+                       q_seg, kv_seg)  # [rows_pad, block_kv], at the request's precision
+    m_new, p, rescale = softmax_update(m, s)
+    v = load(v_ref.at[kv_slice, :], start, kv_rows, r.head_dim_v)
+    acc = acc * rescale[:, None] + dot(call, p.astype(v.dtype), v, ((1,), (0,)))
     return acc, m_new, denom * rescale + p.sum(axis=-1)
 
   dv_pad = o_ref.shape[-1]
@@ -98,8 +98,8 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, *refs, call: decode.Deco
   acc, m, denom = lax.fori_loop(lo, hi, step, init)
   seen = denom > 0  # a split that saw no key: zeros and lse -inf (merge gives it weight 0)
   denom = jnp.where(seen, denom, 1.0)
-  _store(o_ref, acc / denom[:, None])
-  _store(lse_ref, jnp.where(seen, (m + jnp.log2(denom)) / LOG2E, -jnp.inf))
+  store(o_ref, acc / denom[:, None])
+  store(lse_ref, jnp.where(seen, (m + jnp.log2(denom)) / LOG2E, -jnp.inf))
 
 
 def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):

@@ -8,13 +8,15 @@ layout, each part present only when the request uses it:
     [SLOPES + h]                   ALiBi slope of local query head h, as float32 bits
     [streams + b * heads + h]      dropout stream of local (batch row b, query head h)
 
-A kernel never indexes the table by hand: it reads it through a `Table` made from its request,
-which owns the layout (`build` writes the same layout).
+A kernel never indexes the table by hand: it reads the offsets through `offsets(ref)` and the rest
+through a `Table` made from its request, which owns the layout (`build` writes the same layout; the
+decode kernels, which read only the offsets, get a table of them alone from `offsets_table`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +24,23 @@ import jax.numpy as jnp
 from flash_layers.contract import dropout
 
 Q_OFFSET, KV_OFFSET, SLOPES = 0, 1, 2
+
+
+class Offsets(NamedTuple):
+  """The global positions of query 0 and key 0 (int32 scalars; traced under a ring)."""
+
+  q: jax.Array
+  kv: jax.Array
+
+
+def offsets(ref) -> Offsets:
+  """The offsets of a table (a Pallas ref or an array), whatever else it holds."""
+  return Offsets(ref[Q_OFFSET], ref[KV_OFFSET])
+
+
+def offsets_table(q_offset, kv_offset) -> jax.Array:
+  """int32 [2]: a table of the offsets alone (the first part of every table `build` writes)."""
+  return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +66,7 @@ class Table:
   def stream_index(self, batch, head):
     return self.streams + batch * self.num_heads + head
 
-  # Reads (`ref` is the kernel's table: a Pallas ref or an array); the offsets are ref[Q_OFFSET]
-  # and ref[KV_OFFSET], whatever else the table holds.
+  # Reads (`ref` is the kernel's table: a Pallas ref or an array); the offsets: `offsets(ref)`.
   def slope(self, ref, head):
     """float32 ALiBi slope of local query head `head`."""
     return jax.lax.bitcast_convert_type(ref[self.slope_index(head)], jnp.float32)
@@ -64,7 +82,7 @@ def build(request, args, batch: int) -> jax.Array:
   The streams come from `dropout.stream` on global rows and heads (`args.batch_offset`,
   `args.head_offset`), so a kernel only hashes positions (`dropout.bits`), as the other impls do.
   """
-  parts = [jnp.stack([jnp.asarray(args.q_offset, jnp.int32), jnp.asarray(args.kv_offset, jnp.int32)])]
+  parts = [offsets_table(args.q_offset, args.kv_offset)]
   if request.has_alibi:
     parts.append(jax.lax.bitcast_convert_type(args.alibi_slopes.astype(jnp.float32), jnp.int32))
   if request.has_dropout:

@@ -24,7 +24,6 @@ broadcasts against a ``[1, block_kv]`` row of key ids in `mask_rules.visible`.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +32,20 @@ from jax.experimental.pallas import tpu as pltpu
 
 from flash_layers.contract import mask_rules
 from flash_layers.impls.base import Request
-from flash_layers.impls.flash_pallas import decode
-from flash_layers.impls.flash_pallas.tpu import _NN, _NT, _compiler_params, _dot, _interpret_arg
+from flash_layers.impls.flash_pallas import decode, scalar_table
+from flash_layers.impls.flash_pallas.tpu_common import (
+  NN,
+  Tile,
+  compiler_params,
+  dot,
+  interpret_arg,
+  softmax_result,
+  softmax_update,
+  tile_logits,
+  tile_visible,
+)
 from flash_layers.impls.tiling import LANES, BlockSizes, round_up
 
-LOG2E = math.log2(math.e)
 # Keys per tile: 512 keys x 128 lanes x 2 bytes is 128 KiB per K or V buffer (double-buffered: 512 KiB
 # for both), far inside every generation's scoped VMEM, and long enough that the ~0.35 us per grid step
 # (JAX's Pallas TPU docs) stays small against the tile's DMA. Smaller caches take the largest of 512,
@@ -75,7 +83,7 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, row_pos_ref, *refs, call
   # running sum of exp2(logit - m); acc_scr [rows, dv]: the running sum of exp2(logit - m) * v.
   r = call.request
   b, split, t = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  first, count, per_split = plan_ref[3 * b], plan_ref[3 * b + 1], plan_ref[3 * b + 2]
+  first, count, per_split = decode.run(plan_ref, b)
   index = split * per_split + t  # this step's block within the row's run
 
   @pl.when(t == 0)
@@ -86,37 +94,27 @@ def _kernel(plan_ref, offsets_ref, q_ref, k_ref, v_ref, row_pos_ref, *refs, call
 
   @pl.when((t < per_split) & (index < count))
   def _update():
-    block = first + index
-    s = _dot(call, q_ref[...], k_ref[...], _NT)  # [rows, block_kv], float32
-    if r.softcap is None:
-      s = s * (r.scale * LOG2E)
-    else:
-      s = jnp.tanh(s * (r.scale / r.softcap)) * (r.softcap * LOG2E)
-    kv_local = block * call.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, call.block_kv), 1)
-    q_pos = offsets_ref[0] + row_pos_ref[:, :1]
-    kv_pos = offsets_ref[1] + kv_local
+    # The family's logits step on the unscaled q rows (`tile_logits`); row i's position within the
+    # decoding step comes from row_pos_ref, every row of the program shares the tile's keys.
+    q_local = row_pos_ref[:, :1]
+    kv_local = (first + index) * call.block_kv + jax.lax.broadcasted_iota(jnp.int32, (1, call.block_kv), 1)
+    offsets = scalar_table.offsets(offsets_ref)
+    tile = Tile(q_local, kv_local, offsets.q + q_local, offsets.kv + kv_local)
     seg = (q_seg_ref[:, :1], kv_seg_ref[...]) if r.has_segment_ids else (None, None)
-    visible = mask_rules.visible(q_pos, kv_pos, r.spec, *seg) & (kv_local < r.kv_len)
-    s = jnp.where(visible, s, -jnp.inf)
-    # Online softmax, as in the forward kernel: rescale by exp2(m - m'), a row with nothing visible
-    # yet shifts by 0 so its p and rescale factor are exactly 0.
-    m_prev = m_scr[...]
-    m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-    shift = jnp.where(m_next == -jnp.inf, 0.0, m_next)
-    p = jnp.exp2(s - shift[:, :1])
-    rescale = jnp.exp2(m_prev - shift)
+    s, _ = tile_logits(call, q_ref[...], k_ref[...], visible=tile_visible(call, tile, *seg),
+                       prescaled=False)  # [rows, block_kv], float32
+    m_next, p, rescale = softmax_update(m_scr[...], s)  # as in the forward kernel
     l_scr[...] = rescale * l_scr[...] + jnp.sum(p, axis=1, keepdims=True)
     v = v_ref[...]
-    acc_scr[...] = acc_scr[...] * rescale[:, :1] + _dot(call, p.astype(v.dtype), v, _NN)
+    acc_scr[...] = acc_scr[...] * rescale[:, :1] + dot(call, p.astype(v.dtype), v, NN)
     m_scr[...] = m_next
 
   @pl.when(t == call.steps - 1)
   def _finish():
-    total = l_scr[...]
-    seen = total > 0  # a split that saw no key: output 0, lse -inf (merge gives it weight 0)
-    o_ref[...] = acc_scr[...] * jnp.where(seen, 1.0 / jnp.where(seen, total, 1.0), 0.0)[:, :1]
-    lse_ref[...] = jnp.where(seen, m_scr[...] * math.log(2.0) + jnp.log(jnp.where(seen, total, 1.0)),
-                             -jnp.inf)
+    # A split that saw no key: output 0, lse -inf (merge gives it weight 0).
+    inverse, lse = softmax_result(m_scr[...], l_scr[...])
+    o_ref[...] = acc_scr[...] * inverse[:, :1]
+    lse_ref[...] = lse
 
 
 def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
@@ -134,9 +132,9 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
   def kv_block(b, split, t, plan):
     """The block of step t of `split` in row b: clamped into the split's run, so a step past it
     re-names the previous tile (no DMA)."""
-    per_split = plan[3 * b + 2]
-    index = split * per_split + jnp.minimum(t, jnp.maximum(per_split - 1, 0))
-    return plan[3 * b] + jnp.minimum(index, jnp.maximum(plan[3 * b + 1] - 1, 0))
+    row = decode.run(plan, b)
+    index = split * row.per_split + jnp.minimum(t, jnp.maximum(row.per_split - 1, 0))
+    return row.first + jnp.minimum(index, jnp.maximum(row.count - 1, 0))
 
   def kv_spec(width):
     return pl.BlockSpec((None, None, call.block_kv, width),
@@ -173,7 +171,7 @@ def split_kv(call: decode.DecodeCall, q, k, v, q_seg, kv_seg, offsets, table):
                           pltpu.VMEM((rows_pad, LANES), jnp.float32),
                           pltpu.VMEM((rows_pad, dv), jnp.float32)]),
       out_shape=out_shape,
-      compiler_params=_compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
-      cost_estimate=cost, interpret=_interpret_arg(call.interpret), name="flash_layers_decode",
+      compiler_params=compiler_params(("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=cost, interpret=interpret_arg(call.interpret), name="flash_layers_decode",
   )(table.reshape(-1), offsets, *inputs)  # the plan flat: SMEM pads a 2-D array's rows
   return out, lse[..., 0]
