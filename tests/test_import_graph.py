@@ -134,7 +134,7 @@ LAYERS: dict[str, int] = {
     "flash_layers.parallel": 8,
     "flash_layers.api": 9,
     "flash_layers.layers": 10, "flash_layers.nnx": 10, "flash_layers.haiku": 10,
-    "flash_layers.decoding": 10, "flash_layers.rotary": 10,
+    "flash_layers.rotary": 10,
     # models and data read each other's assets (a tokenizer's files, a model's vocabulary)
     "flash_layers.models": 11, "flash_layers.data": 11,
     "flash_layers.training": 12,
