@@ -1,9 +1,14 @@
 """flash_pallas: our own Pallas flash-attention kernels, one family per platform.
 
-* `tpu.py` — Mosaic kernels designed for the TPU (VMEM scratch, scalar-prefetched block map);
-  their tiles, VMEM budgets and tuning candidates in `tpu_config.py`.
-* `gpu.py` — Triton kernels designed for the GPU (one program per q block, in-kernel kv loop);
-  their tiles, warps, stages, shared-memory budgets and tuning candidates in `gpu_config.py`.
+* `tpu.py` — the family of Mosaic kernels designed for the TPU (VMEM scratch, scalar-prefetched block
+  map): its interface and custom VJP; the kernels by role in `tpu_fwd.py`, `tpu_bwd.py`,
+  `tpu_decode.py`, what they share (the tile logits step, the online softmax) in `tpu_common.py`, the
+  grids in `tpu_grid.py`; tiles, VMEM budgets and tuning candidates in `tpu_config.py`.
+* `gpu.py` — the family of Triton kernels designed for the GPU (one program per q block, in-kernel kv
+  loop), split the same way (`gpu_fwd.py`, `gpu_bwd.py`, `gpu_decode.py`, `gpu_common.py`); tiles,
+  warps, stages, shared-memory budgets and tuning candidates in `gpu_config.py`.
+* `decode.py` — the split-KV decode plan and merge both decode kernels share; `scalar_table.py` — the
+  kernels' int32 scalar table; `kernel_mods.py` — mask_mod / score_mod inside the kernels.
 
 This module only dispatches. The family follows the platform the computation is
 *lowered* for (`jax.lax.platform_dependent`): a TPU lowering gets the Mosaic
