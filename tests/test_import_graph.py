@@ -116,8 +116,8 @@ def test_the_check_sees_lazy_imports(tmp_path, monkeypatch):
 
 
 # Module prefix -> rank: a module takes the rank of its longest matching prefix (a prefix matches the
-# module itself and everything under it, so "flash_layers.layers" covers layers.py and a layers/
-# package alike). Imports may only go to the same rank or a lower one.
+# module itself and everything under it, so "flash_layers.layers" covers the whole layers/ package).
+# Imports may only go to the same rank or a lower one.
 LAYERS: dict[str, int] = {
     # leaves: errors, how a call is lowered, the host's platform setup, the strict-interpreter helpers
     "flash_layers.errors": 0, "flash_layers.lowering": 0, "flash_layers.host": 0,

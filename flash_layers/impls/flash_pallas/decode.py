@@ -14,7 +14,7 @@ al., 2023, "Flash-Decoding for long-context inference"):
   over its own keys, and its logsumexp; `merge` combines the splits by their logsumexps
   (``lse = logsumexp_s lse_s``, ``out = sum_s exp(lse_s - lse) out_s``), exactly the global softmax.
 * Ragged rows. Per batch row, `plan` finds the run of kv blocks that hold a key some query of the row
-  can see (segment ids mark each row's valid length: decoding.py's cache gives unwritten slots the id
+  can see (segment ids mark each row's valid length: layers/kv_cache.py gives unwritten slots the id
   -1; causal masks and windows with the offsets bound it too), and the splits share *that* run: a row
   with 300 valid keys of an 8,192-slot cache reads one block, not sixteen, and rows of different
   lengths keep every split equally busy. Inside a tile, `mask_rules.visible` (the predicate every impl
