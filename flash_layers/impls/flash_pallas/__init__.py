@@ -164,7 +164,7 @@ class FlashPallas:
         return None
 
       def tiles():
-        return kernel_mods.tile_flags(request, args.mod_operands, args.q_offset, args.kv_offset,
+        return kernel_mods.request_tile_flags(request, args.mod_operands, args.q_offset, args.kv_offset,
                                       block_q, block_kv)
     return block_info.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,

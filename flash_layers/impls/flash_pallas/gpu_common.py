@@ -344,7 +344,7 @@ def mask_inputs(st: GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block_q
       if prebuilt is not None and (block_q, block_kv) == r.block_mask_tiles:  # built once, every layer
         shows, fills = prebuilt
       else:
-        shows, fills = kernel_mods.tile_flags(r, kernel_mods.unflatten(ops, st.operands),
+        shows, fills = kernel_mods.request_tile_flags(r, kernel_mods.unflatten(ops, st.operands),
                                               *scalar_table.offsets(offsets), block_q, block_kv)
       tiles = tuple(jnp.broadcast_to(x, (r.batch, nq, nk)) for x in (shows, fills))  # a map row per row
     bmap = block_info.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,

@@ -48,7 +48,7 @@ def flatten(operands: tuple) -> tuple[tuple[jax.Array, ...], tuple[Meta, ...]]:
   return tuple(flat), tuple(metas)
 
 
-def tile_flags(request: Request, operands: tuple, q_offset, kv_offset, block_q: int,
+def request_tile_flags(request: Request, operands: tuple, q_offset, kv_offset, block_q: int,
                block_kv: int) -> tuple[jax.Array, jax.Array]:
   """The request's mask_mod on a kernel's tiles: (any, all) bool [b|1, nq, nk] (`block_info.tile_flags`, over
   every query head; batch and head offsets 0: mods are refused on a mesh)."""
