@@ -34,11 +34,9 @@ from flash_layers.impls.flash_pallas.tpu_common import (
   dropout_keep,
   folded,
   interpret_arg,
-  mod_at,
   nbytes,
   tile_logits,
-  tile_positions,
-  tile_visible,
+  tile_mask,
   when_visited,
 )
 from flash_layers.impls.flash_pallas.tpu_grid import Grid, call_kernel, kernel_grid, segment_rows
@@ -75,13 +73,9 @@ def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Gri
 
   def update(masked: bool):
     q, do = q_ref[...], do_ref[...]
-    shape = (grid.block_kv, grid.block_q)
-    tile = tile_positions(offsets_ref, step, shape, 1) if masked or cfg.needs_positions else None
-    mod = mod_at(cfg, operands, step.batch, step.head, tile)  # indices laid out as the [bk, bq] tile
-    visible = None
-    if masked:  # s_t: [bk, bq]
-      seg = (q_seg_ref[...], kv_seg_scr[:, :1]) if cfg.has_segments else (None, None)
-      visible = tile_visible(cfg, tile, *seg, mod)
+    tile, mod, visible = tile_mask(  # laid out as the transposed tile s_t: [bk, bq]
+        cfg, offsets_ref, operands, step, (grid.block_kv, grid.block_q), 1, masked,
+        lambda: (q_seg_ref[...], kv_seg_scr[:, :1]) if cfg.has_segments else (None, None))
     s_t, chain = tile_logits(cfg, k_ref[...], folded(cfg, q), mod=mod, visible=visible, grad=True,
                              alibi=alibi_term(cfg, offsets_ref, step.head, tile))
     # lse is +inf for rows that see no key (set by the wrapper): their p is exactly 0.
@@ -147,13 +141,9 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Grid
       q_seg_scr[...] = column(q_seg_ref[...])
 
   def update(masked: bool):
-    shape = (grid.block_q, grid.block_kv)
-    tile = tile_positions(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
-    mod = mod_at(cfg, operands, step.batch, step.head, tile)  # mods: one head per tile
-    visible = None
-    if masked:  # one element mask for every head of the tile
-      seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      visible = tile_visible(cfg, tile, *seg, mod)
+    tile, mod, visible = tile_mask(  # one element mask for every head of the tile
+        cfg, offsets_ref, operands, step, (grid.block_q, grid.block_kv), 0, masked,
+        lambda: (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None))
 
     # A loop, as in the forward (`_forward_kernel`): one compiled body, K and V read from their
     # VMEM tiles inside it.

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
@@ -165,6 +166,26 @@ def tile_visible(cfg: TpuCall | decode.DecodeCall, tile: Tile, q_seg, kv_seg, mo
     ok = ok & mods.mask(cfg.request.mask_mod, mod.idx, mod.operands)
   # Padded tail positions see nothing and are seen by nothing (q_len % block_q etc. may be != 0).
   return ok & (tile.q_local < cfg.request.q_len) & (tile.kv_local < cfg.request.kv_len)
+
+
+class TileMask(NamedTuple):
+  """What a forward or backward kernel needs of one tile before its logits: the positions (None when
+  nothing reads them), the mods' view of them, and the element mask (None for a fully visible tile)."""
+
+  tile: Tile | None
+  mod: Mod | None
+  visible: jax.Array | None
+
+
+def tile_mask(cfg: TpuCall, offsets_ref, operands: tuple, step: Step, shape, q_axis, masked: bool,
+              segments: Callable[[], tuple]) -> TileMask:
+  """`TileMask` of the step's tile of ``shape`` (q along ``q_axis``), one for every head the step
+  covers (mods read one head per tile). ``segments()`` gives the (q, kv) segment-id operands of
+  `tile_visible`, read only for a masked tile."""
+  tile = tile_positions(offsets_ref, step, shape, q_axis) if masked or cfg.needs_positions else None
+  mod = mod_at(cfg, operands, step.batch, step.head, tile)
+  visible = tile_visible(cfg, tile, *segments(), mod) if masked else None
+  return TileMask(tile, mod, visible)
 
 
 def alibi_term(cfg: TpuCall, offsets_ref, head, tile: Tile | None):

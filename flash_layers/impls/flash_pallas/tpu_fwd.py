@@ -26,13 +26,11 @@ from flash_layers.impls.flash_pallas.tpu_common import (
   dot,
   dropout_keep,
   folded,
-  mod_at,
   nbytes,
   softmax_result,
   softmax_update,
   tile_logits,
-  tile_positions,
-  tile_visible,
+  tile_mask,
   when_visited,
 )
 from flash_layers.impls.flash_pallas.tpu_grid import Grid, call_kernel, kernel_grid, segment_rows
@@ -71,13 +69,9 @@ def _forward_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid:
       q_seg_scr[...] = column(q_seg_ref[...])
 
   def update(masked: bool):
-    shape = (grid.block_q, grid.block_kv)
-    tile = tile_positions(offsets_ref, step, shape, 0) if masked or cfg.needs_positions else None
-    mod = mod_at(cfg, operands, step.batch, step.head, tile)  # mods: one head per tile
-    visible = None
-    if masked:  # one element mask for every head of the tile
-      seg = (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None)
-      visible = tile_visible(cfg, tile, *seg, mod)
+    tile, mod, visible = tile_mask(  # one element mask for every head of the tile
+        cfg, offsets_ref, operands, step, (grid.block_q, grid.block_kv), 0, masked,
+        lambda: (q_seg_scr[:, :1], kv_seg_ref[...]) if cfg.has_segments else (None, None))
 
     # The heads run in a loop, not unrolled: the body is compiled once whatever the group (an
     # unrolled body grew Mosaic's compile by ~4 s per head), and its refs are indexed only along
