@@ -19,8 +19,10 @@ from flash_layers.impls.flash_pallas.gpu_common import (
   dot,
   dropout_keep,
   grad_logits,
+  kv_tile,
   load,
   mask_inputs,
+  q_program,
   ragged,
   split_refs,
   store,
@@ -94,11 +96,7 @@ def _dq_kernel(st: GpuCall, *refs):
   operands, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
   r = st.request
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
-  q_block, bh = pl.program_id(0), pl.program_id(1)
-  batch, head = bh // r.num_heads, bh % r.num_heads
-  q_start = q_block * block_q
-  q_rows = ragged(r.q_len, block_q)
-  kv_rows = ragged(r.kv_len, block_kv)
+  q_block, batch, head, q_start, q_rows, kv_rows = q_program(st, block_q, block_kv)
 
   q = load(q_ref, q_start, q_rows, r.head_dim)
   do = load(do_ref, q_start, q_rows, r.head_dim_v)
@@ -107,11 +105,7 @@ def _dq_kernel(st: GpuCall, *refs):
   q_seg = load(segs[0], q_start, q_rows) if segs else None
 
   def visit(kv_block, dq, masked):
-    kv_slice = pl.ds(kv_block * block_kv, block_kv)
-    start = kv_block * block_kv
-    rows = None if masked is False else kv_rows
-    kv_seg = load(segs[1].at[kv_slice], start, rows) if segs else None
-    k = load(k_ref.at[kv_slice, :], start, rows, r.head_dim)
+    kv_slice, start, rows, kv_seg, k = kv_tile(st, segs, k_ref, kv_block, block_kv, kv_rows, masked)
     tile = tile_positions(offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, chain = tile_logits(st, q, k, tile, masked, q_seg, kv_seg, alibi_term(st, offsets_ref, head, tile),
                             (batch, head, operands) if r.has_mods else None, grad=True)

@@ -126,6 +126,44 @@ def ragged(length: int, block: int) -> int | None:
   return length if length % block else None
 
 
+class QProgram(NamedTuple):
+  """A program over q block `program_id(0)` of (batch, head) `program_id(1)`: the forward and dQ grids."""
+
+  q_block: jax.Array
+  batch: jax.Array
+  head: jax.Array
+  q_start: jax.Array
+  q_rows: int | None   # `ragged` of the q and kv lengths: where loads must mask rows
+  kv_rows: int | None
+
+
+def q_program(st: GpuCall, block_q: int, block_kv: int) -> QProgram:
+  r = st.request
+  q_block, bh = pl.program_id(0), pl.program_id(1)
+  return QProgram(q_block, bh // r.num_heads, bh % r.num_heads, q_block * block_q,
+                  ragged(r.q_len, block_q), ragged(r.kv_len, block_kv))
+
+
+class KvTile(NamedTuple):
+  """Kv block ``kv_block`` of a q-block program's walk: its slice, first key and the loaded keys."""
+
+  slice: pl.Slice
+  start: jax.Array
+  rows: int | None  # rows to mask on load: None for an interior block (only real keys)
+  kv_seg: jax.Array | None
+  k: jax.Array
+
+
+def kv_tile(st: GpuCall, segs, k_ref, kv_block, block_kv: int, kv_rows: int | None, masked) -> KvTile:
+  """Load kv block ``kv_block``'s keys (and segment ids). Interior blocks hold only real keys:
+  unmasked rows; edge blocks may be the ragged last one."""
+  kv_slice = pl.ds(kv_block * block_kv, block_kv)
+  start = kv_block * block_kv
+  rows = None if masked is False else kv_rows
+  kv_seg = load(segs[1].at[kv_slice], start, rows) if segs else None
+  return KvTile(kv_slice, start, rows, kv_seg, load(k_ref.at[kv_slice, :], start, rows, st.request.head_dim))
+
+
 def _visit_ranges(ranges, visit, carry):
   """Run `visit(block, carry, masked)` over a range: the interior blocks in a loop with no element
   mask (and no `cond`), then the edges before and after it with the mask."""

@@ -17,9 +17,10 @@ from flash_layers.impls.flash_pallas.gpu_common import (
   alibi_term,
   dot,
   dropout_keep,
+  kv_tile,
   load,
   mask_inputs,
-  ragged,
+  q_program,
   softmax_update,
   split_refs,
   store,
@@ -36,23 +37,14 @@ def _forward_kernel(st: GpuCall, *refs):
   offsets_ref, table, segs, (operands, q_ref, k_ref, v_ref, o_ref, lse_ref) = split_refs(st, refs)
   r = st.request
   block_q, block_kv = st.cfg.block_q, st.cfg.block_kv
-  q_block, bh = pl.program_id(0), pl.program_id(1)
-  batch, head = bh // r.num_heads, bh % r.num_heads
-  q_start = q_block * block_q
-  q_rows = ragged(r.q_len, block_q)
-  kv_rows = ragged(r.kv_len, block_kv)
+  q_block, batch, head, q_start, q_rows, kv_rows = q_program(st, block_q, block_kv)
 
   q = load(q_ref, q_start, q_rows, r.head_dim)
   q_seg = load(segs[0], q_start, q_rows) if segs else None
 
   def visit(kv_block, carry, masked):
     acc, m, denom = carry
-    kv_slice = pl.ds(kv_block * block_kv, block_kv)
-    start = kv_block * block_kv
-    # Interior blocks hold only real keys: unmasked rows. Edge blocks may be the ragged last one.
-    rows = None if masked is False else kv_rows
-    kv_seg = load(segs[1].at[kv_slice], start, rows) if segs else None
-    k = load(k_ref.at[kv_slice, :], start, rows, r.head_dim)
+    kv_slice, start, rows, kv_seg, k = kv_tile(st, segs, k_ref, kv_block, block_kv, kv_rows, masked)
     tile = tile_positions(offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, _ = tile_logits(st, q, k, tile, masked, q_seg, kv_seg, alibi_term(st, offsets_ref, head, tile),
                         (batch, head, operands) if r.has_mods else None)
