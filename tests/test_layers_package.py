@@ -152,3 +152,32 @@ def test_self_attention_is_flax_self_attention():
   assert sorted(_leaves(ours.init(jax.random.key(0), x))) == sorted(_leaves(variables))
   np.testing.assert_allclose(ours.apply(variables, x, mask), theirs.apply(variables, x, mask),
                              rtol=1e-5, atol=1e-5)
+
+
+# (framework, field) -> why its default is the framework's own, not the core's.
+_OWN_DEFAULTS = {
+    ("nnx", "deterministic"): "the NNX layer keeps the mode on the module, True (no dropout) until "
+                              "`nnx.view` or a call turns it off (flax's nnx layer defaults to None)",
+}
+
+
+@pytest.mark.parametrize("framework", ["linen", "nnx", "haiku"])
+def test_every_framework_has_the_core_fields_defaults(framework):
+  """Each framework declares the attention fields again (its own signature); `AttentionFields` takes
+  a missing one's default, so every declared default must equal the core's, or the layers drift."""
+  import dataclasses
+  import inspect
+
+  from flash_layers.layers.core import AttentionFields
+  core = {f.name: f.default for f in dataclasses.fields(AttentionFields)
+          if f.default is not dataclasses.MISSING}
+  if framework == "linen":
+    declared = {f.name: f.default for f in dataclasses.fields(fl.MultiHeadAttention)
+                if f.default is not dataclasses.MISSING}
+  else:
+    module = __import__(f"flash_layers.layers.{framework}", fromlist=["MultiHeadAttention"])
+    parameters = inspect.signature(module.MultiHeadAttention.__init__).parameters
+    declared = {name: p.default for name, p in parameters.items() if p.default is not inspect.Parameter.empty}
+  shared = sorted(set(core) & set(declared) - {n for fw, n in _OWN_DEFAULTS if fw == framework})
+  assert len(shared) >= 15, shared  # most of the fields are each framework's too
+  assert {n: declared[n] for n in shared} == {n: core[n] for n in shared}
