@@ -132,7 +132,7 @@ LAYERS: dict[str, int] = {
     "flash_layers.dispatch": 6,
     "flash_layers.tuning": 7,
     "flash_layers.parallel": 8,
-    "flash_layers.api": 9,
+    "flash_layers.api": 9, "flash_layers.paged_api": 9,
     "flash_layers.layers": 10, "flash_layers.nnx": 10, "flash_layers.haiku": 10,
     "flash_layers.rotary": 10,
     # models and data read each other's assets (a tokenizer's files, a model's vocabulary)
@@ -153,6 +153,9 @@ LAZY: dict[tuple[str, str], str] = {
         "the decode kernels of the platform lowered for (tpu_decode / gpu_decode), on first use",
     ("flash_layers.impls.flash_pallas.decode", "f'flash_layers.impls.flash_pallas.{call.family}'"):
         "the family's backward kernels, only when a decode call is differentiated",
+    ("flash_layers.impls.paged.kernels", "_FAMILY_MODULES[family]"):
+        "the paged kernel of the platform lowered for (tpu_paged imports Mosaic, gpu_paged Triton), on "
+        "first use",
     ("flash_layers.impls.flash_pallas.tuning_space", "flash_layers.impls.flash_pallas.tpu_config"):
         "only when tuning for a TPU",
     ("flash_layers.impls.flash_pallas.tuning_space", "flash_layers.impls.flash_pallas.gpu_config"):

@@ -161,3 +161,64 @@ def attention(q, k, v, visible, *, scale=None, softcap=None, bias=None, alibi_sl
   result["dk"] = dk_rep.reshape(b, s, kvh, group, d).sum(3)
   result["dv"] = dv_rep.reshape(b, s, kvh, group, v.shape[3]).sum(3)
   return result
+
+
+def paged_attention(q, k_pages, v_pages, page_table, kv_lens, cu_q_lens, *, num_seqs=None, layout="flax",
+                    k_scales=None, v_scales=None, causal=True, window=None, softcap=None, scale=None,
+                    sinks=None, mask_mod=None):
+  """The paged contract (flash_layers/contract/paged.py) in float64, one sequence and query at a time.
+
+  q [tokens, h, d]; pages "flax" [pages, page_size, kvh, d] or "heads_first" [kvh, pages, page_size, d],
+  int8 / float8 pages times their float32 scales ([pages, page_size, kvh] or [kvh, pages, page_size]).
+  Sequence s owns q rows cu_q_lens[s]:cu_q_lens[s+1], its i-th at position kv_lens[s] - q_len + i, and
+  keys 0..kv_lens[s]-1, key j in page page_table[s, j // page_size] at row j % page_size. mask_mod is
+  called with numpy ints (b=s, h, q_pos, kv_pos). Returns out [tokens, h, dv] float64 (zeros for rows
+  past cu_q_lens[num_seqs], and for a query that sees nothing) and its magnitude p|v| per row.
+  """
+  q = np.asarray(q, np.float64)
+
+  def flax_pages(pages, scales):
+    pages = np.asarray(pages.astype(np.float32) if hasattr(pages, "astype") else pages, np.float64)
+    if scales is not None:
+      pages = pages * np.asarray(scales, np.float64)[..., None]
+    return pages if layout == "flax" else np.moveaxis(pages, 0, 2)
+
+  kp, vp = flax_pages(k_pages, k_scales), flax_pages(v_pages, v_scales)
+  page_size, kvh = kp.shape[1], kp.shape[2]
+  tokens, h, d = q.shape
+  group = h // kvh
+  scale = 1.0 / np.sqrt(d) if scale is None else scale
+  left, right = (None, None) if window is None else ((window, window) if isinstance(window, int) else window)
+  table, lens, cu = np.asarray(page_table), np.asarray(kv_lens), np.asarray(cu_q_lens)
+  n = len(lens) if num_seqs is None else int(num_seqs)
+  out = np.zeros((tokens, h, vp.shape[-1]))
+  magnitude = np.zeros((tokens, h))
+  for s in range(n):
+    length, q_len = int(lens[s]), int(cu[s + 1] - cu[s])
+    j = np.arange(length)
+    keys = kp[table[s, j // page_size], j % page_size]    # [length, kvh, d]
+    values = vp[table[s, j // page_size], j % page_size]
+    for i in range(q_len):
+      row, pos = int(cu[s]) + i, length - q_len + i
+      for head in range(h):
+        ok = np.ones(length, bool)
+        if causal:
+          ok &= j <= pos
+        if left is not None:
+          ok &= (j >= pos - left) & (j <= pos + right)
+        if mask_mod is not None:
+          ok &= np.array([bool(mask_mod(s, head, pos, int(jj))) for jj in j], bool)
+        logits = scale * keys[:, head // group] @ q[row, head]
+        if softcap is not None:
+          logits = softcap * np.tanh(logits / softcap)
+        logits = np.where(ok, logits, -np.inf)
+        sink = None if sinks is None else float(sinks[head])
+        top = max(logits.max(initial=-np.inf), -np.inf if sink is None else sink)
+        if top == -np.inf:
+          continue
+        e = np.exp(logits - top)
+        z = e.sum() + (0.0 if sink is None else np.exp(sink - top))
+        p = e / z
+        out[row, head] = p @ values[:, head // group]
+        magnitude[row, head] = p @ np.abs(values[:, head // group]).max(-1)
+  return out, magnitude
