@@ -305,7 +305,8 @@ def test_traced_batch_compiles_once():
   def step(q, kv_lens, cu, num_seqs):
     traces.append(1)
     return fl.paged_attention(q, jnp.asarray(batch["k_pages"]), jnp.asarray(batch["v_pages"]),
-                              page_table=batch["page_table"], kv_lens=kv_lens, cu_q_lens=cu, num_seqs=num_seqs)
+                              page_table=batch["page_table"], kv_lens=kv_lens, cu_q_lens=cu,
+                              num_seqs=num_seqs)
 
   for lens, cu, n in (((5, 9), (0, 1, 4), 2), ((6, 10), (0, 1, 2), 2), ((7, 0), (0, 1, 1), 1)):
     lens, cu = np.array(lens, np.int32), np.array(cu, np.int32)
@@ -314,3 +315,14 @@ def test_traced_batch_compiles_once():
                                               batch["page_table"], lens, cu, num_seqs=n)
     np.testing.assert_allclose(out, expected, atol=2e-5)
   assert len(traces) == 1
+
+
+@pytest.mark.parametrize("name", ["ragged_gqa", "mqa_window_softcap", "non_causal"])
+def test_xla_chunked_walks_pages_chunk_by_chunk(name, monkeypatch):
+  """One page per loop step: the while_loop's bounds and the online softmax across chunks."""
+  from flash_layers.impls.paged import xla_chunked
+  monkeypatch.setattr(xla_chunked, "CHUNK_KEYS", 16)
+  cfg = CONFIGS[name]
+  batch = make_batch(cfg, seed=2)
+  expected, magnitude = oracle(cfg, batch)
+  assert relative_error(run("xla_chunked", None, cfg, batch), expected, magnitude) <= F32_TOL

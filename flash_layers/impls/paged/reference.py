@@ -9,16 +9,16 @@ from flash_layers.contract import paged
 from flash_layers.contract.paged import PagedSpec
 
 
-def row_logits(spec: PagedSpec, q, keys, seq, pos, kv_lens):
+def row_logits(spec: PagedSpec, q, keys, seq, pos, kv_lens, kv_offset=0):
   """(logits [rows, kv_heads, group, kv] float32 after scale and softcap, masked to -inf) of query rows
-  q [rows, heads, d] against their keys [rows, kv, kv_heads, d] (key j at position j)."""
+  q [rows, heads, d] against their keys [rows, kv, kv_heads, d] (key j at position kv_offset + j)."""
   rows = q.shape[0]
   qg = q.reshape(rows, spec.num_kv_heads, spec.group, spec.head_dim)
   s = jnp.einsum("rhgd,rjhd->rhgj", qg, keys, precision=spec.precision,
                  preferred_element_type=jnp.float32) * spec.scale
   if spec.softcap is not None:
     s = spec.softcap * jnp.tanh(s / spec.softcap)
-  kv_pos = jnp.arange(keys.shape[1], dtype=jnp.int32)
+  kv_pos = kv_offset + jnp.arange(keys.shape[1], dtype=jnp.int32)
   head = jnp.arange(spec.num_heads, dtype=jnp.int32).reshape(1, spec.num_kv_heads, spec.group, 1)
   ok = paged.visible(spec, pos[:, None, None, None], kv_pos[None, None, None, :],
                      kv_lens[seq][:, None, None, None], seq[:, None, None, None], head)
