@@ -75,8 +75,11 @@ LAYOUT = "flax"
 TARGET_ROWS = 64
 # Keys per loop step, for head dims up to 128; wider heads take 32 (as the decode kernel).
 BLOCK_KV = 64
-NUM_WARPS = 4
 NUM_STAGES = 2
+# Warps by what a program keeps in registers for its whole loop, the q tile and the float32 accumulator:
+# up to 48 KiB (64 rows of 128 dims, bfloat16 q) 4 warps, beyond that (float32 q, 256 dims) 8. An
+# estimate, not tuned on hardware.
+WARP_BYTES = 48 * 1024
 # What the kernel takes: dtypes Triton loads and multiplies, the widest head a program's registers hold.
 Q_DTYPES = ("float32", "bfloat16", "float16")
 PAGE_DTYPES = ("float32", "bfloat16", "float16", *paged.QUANTIZED_DTYPES)
@@ -115,6 +118,12 @@ def tiles(spec: PagedSpec) -> tuple[int, int]:
   block_q = max(1, min(rows // spec.group, pl.next_power_of_2(spec.num_tokens)))
   block_kv = BLOCK_KV if max(spec.head_dim, spec.head_dim_v) <= 128 else BLOCK_KV // 2
   return block_q, pow2_tile(min(block_kv, spec.max_kv_len))
+
+
+def num_warps(spec: PagedSpec, rows_pad: int) -> int:
+  """Warps of a program: 4, or 8 when its q tile and accumulator exceed `WARP_BYTES`."""
+  held = rows_pad * (pow2_tile(spec.head_dim) * _dot_dtype(spec).itemsize + pow2_tile(spec.head_dim_v) * 4)
+  return 4 if held <= WARP_BYTES else 8
 
 
 def _dot_dtype(spec: PagedSpec):
@@ -290,7 +299,7 @@ def paged_attention(q, k_pages, v_pages, k_scales, v_scales, page_table, kv_lens
                  pl.BlockSpec((None, None, rows_pad), lambda t, h: (t, h, 0))],
       out_shape=[jax.ShapeDtypeStruct((num_tiles, kvh, rows, spec.head_dim_v), q.dtype),
                  jax.ShapeDtypeStruct((num_tiles, kvh, rows), jnp.float32)],
-      compiler_params=plgpu.CompilerParams(num_warps=NUM_WARPS, num_stages=NUM_STAGES),
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps(spec, rows_pad), num_stages=NUM_STAGES),
       cost_estimate=_cost(spec, num_tiles, block_q, arrays[:3]), interpret=interpret,
       name="flash_pallas_gpu_paged",
   )(*arrays)
