@@ -31,7 +31,6 @@ CASES = [("reference", None), ("xla_chunked", None), ("flash_pallas", "tpu"), ("
 # Features a case refuses by design -> the suite expects UnsupportedError naming it.
 REFUSED: dict[tuple[str, str | None], tuple[str, ...]] = {
     ("flash_pallas", "tpu"): ("mask_mod", "float8"),
-    ("flash_pallas", "gpu"): ("mask_mod",),
 }
 
 F32_TOL = 2e-5

@@ -164,7 +164,7 @@ def kv_tile(st: GpuCall, segs, k_ref, kv_block, block_kv: int, kv_rows: int | No
   return KvTile(kv_slice, start, rows, kv_seg, load(k_ref.at[kv_slice, :], start, rows, st.request.head_dim))
 
 
-def _visit_ranges(ranges, visit, carry):
+def visit_ranges(ranges, visit, carry):
   """Run `visit(block, carry, masked)` over a range: the interior blocks in a loop with no element
   mask (and no `cond`), then the edges before and after it with the mask."""
   lo, full_lo, full_hi, hi = ranges
@@ -328,7 +328,7 @@ def walk(st: GpuCall, offsets_ref, table, own_block, own_size, own_len, other_si
     last = own_offset + jnp.minimum(own_block * own_size + own_size, own_len) - 1
     band = mask_rules.band(st.request.spec, transpose=not by_q)
     ranges = block_info.visible_block_range(first, last, band, other_offset, other_len, other_size)
-    return _visit_ranges(ranges, visit, carry)
+    return visit_ranges(ranges, visit, carry)
   index_ref, count_ref, full_ref = table
 
   def step(i, c):
@@ -392,7 +392,7 @@ def mask_inputs(st: GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block_q
     else:
       index, count, full = bmap.q_index, bmap.q_count, jnp.swapaxes(bmap.full, 1, 2)
     full = jnp.take_along_axis(full, index, axis=-1)
-    # Full blocks first, then the others, each in ascending order: the order `_visit_ranges` walks an
+    # Full blocks first, then the others, each in ascending order: the order `visit_ranges` walks an
     # arithmetic range in (interior, then edges), so a mask_mod equal to a built-in rule sums the online
     # softmax in the same order and gives the same bits.
     listed = jnp.arange(index.shape[-1]) < count[..., None]

@@ -61,11 +61,11 @@ from flash_layers.impls.flash_pallas import paged_plan
 from flash_layers.impls.flash_pallas.gpu_common import (
   LN2,
   LOG2E,
-  _visit_ranges,
   load,
   pow2_tile,
   softmax_update,
   store,
+  visit_ranges,
 )
 from flash_layers.impls.tiling import MIN_GPU_TILE
 
@@ -237,7 +237,7 @@ def _kernel(plan_ref, table_ref, q_ref, k_ref, v_ref, *refs, spec: PagedSpec, bl
   full_lo, full_hi = _interior(spec, first, first + count - 1, kv_len, lo, hi, block_kv)
   init = (jnp.zeros((rows_pad, o_ref.shape[-1]), jnp.float32), jnp.full((rows_pad,), -jnp.inf, jnp.float32),
           jnp.zeros((rows_pad,), jnp.float32))
-  acc, m, denom = _visit_ranges((lo, full_lo, full_hi, hi), visit, init)
+  acc, m, denom = visit_ranges((lo, full_lo, full_hi, hi), visit, init)
   seen = denom > 0  # False for a row that sees no key (a mask_mod, an empty tile): zeros, lse -inf
   denom = jnp.where(seen, denom, 1.0)
   rows = spec.group * block_q
