@@ -86,6 +86,11 @@ def _positive_int(name: str, value) -> int:
   return int(value)
 
 
+def _check_new_tokens(n) -> None:
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    raise ValueError(f"n must be a non-negative int (new tokens); got {n!r}")
+
+
 class PageAllocator:
   """Pages of a shared KV pool handed to sequences in `max_seqs` slots (module doc).
 
@@ -135,8 +140,7 @@ class PageAllocator:
     page table's row; either way nothing changes.
     """
     self._check_slot(slot)
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
-      raise ValueError(f"n must be a non-negative int (new tokens); got {n!r}")
+    _check_new_tokens(n)
     length, new_length = int(self._lens[slot]), int(self._lens[slot]) + int(n)
     if new_length > self.pages_per_seq * self.page_size:
       raise ValueError(f"slot {slot} would hold {new_length} tokens, more than pages_per_seq * page_size "
@@ -243,6 +247,7 @@ class PageAllocator:
     """The free pages `grow(slot, n)` would take, net of those the window frees first (negative when it
     frees more than it takes): grow succeeds when this is at most `free_pages`."""
     self._check_slot(slot)
+    _check_new_tokens(n)
     length = int(self._lens[slot])
     _, dead = self._dead_pages(slot, length)
     return pages_for(length + n, self.page_size) - pages_for(length, self.page_size) - len(dead)
