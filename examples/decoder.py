@@ -10,7 +10,9 @@ longest, its padding gets segment id 0 (no real token sees it) and its positions
 real token. The prompts are prefilled in one call, then each step feeds one token per row.
 `generate_uncached` is the check: each row's whole sequence re-run from scratch at every step, without a
 cache. tests/test_decoding.py asserts that both give the same tokens and logits for every impl that
-serves decoding. Weights are random; the example is about the mechanics, not the text.
+serves decoding. examples/serve.py serves the same model with a paged cache (`cache="paged"`, each call's
+`paged_batch` passed through to every layer) and continuous batching. Weights are random; the example is
+about the mechanics, not the text.
 """
 
 from __future__ import annotations
@@ -32,14 +34,21 @@ class Block(nn.Module):
   window: int | None
   impl: str
   decode: bool
+  # The attention's cache fields: the contiguous cache by default; examples/serve.py sets cache="paged".
+  cache: str = "contiguous"
+  num_pages: int | None = None
+  page_size: int | None = None
+  kv_cache_dtype: str | None = None
 
   @nn.compact
-  def __call__(self, x, segment_ids, positions):
+  def __call__(self, x, segment_ids, positions, paged_batch=None):
     attention = fl.MultiHeadAttention(num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, causal=True,
                                       window=None if self.window is None else (self.window, 0),
                                       rope_theta=10_000.0, impl=self.impl, decode=self.decode,
-                                      name="attention")
-    x = x + attention(nn.LayerNorm()(x), segment_ids=segment_ids, positions=positions)
+                                      cache=self.cache, num_pages=self.num_pages, page_size=self.page_size,
+                                      kv_cache_dtype=self.kv_cache_dtype, name="attention")
+    x = x + attention(nn.LayerNorm()(x), segment_ids=segment_ids, positions=positions,
+                      paged_batch=paged_batch)
     h = nn.gelu(nn.Dense(4 * x.shape[-1])(nn.LayerNorm()(x)))
     return x + nn.Dense(x.shape[-1])(h)
 
@@ -52,13 +61,24 @@ class CausalLM(nn.Module):
   windows: tuple[int | None, ...] = (None, 4)  # per layer: None (full attention) or a window of keys
   impl: str = "auto"
   decode: bool = False
+  # The paged KV cache (examples/serve.py): every layer's pool has num_pages pages of page_size tokens.
+  cache: str = "contiguous"
+  num_pages: int | None = None
+  page_size: int | None = None
+  kv_cache_dtype: str | None = None
 
   @nn.compact
-  def __call__(self, tokens, segment_ids=None, positions=None):
-    """tokens [batch, len] -> logits [batch, len, vocab_size]."""
+  def __call__(self, tokens, segment_ids=None, positions=None, paged_batch=None):
+    """tokens [batch, len] -> logits [batch, len, vocab_size].
+
+    paged_batch: with decode=True and cache="paged", the call's ragged batch (`fl.PagedBatch`); tokens is
+    then [1, token budget], every scheduled sequence's new tokens packed (examples/serve.py).
+    """
     x = nn.Embed(self.vocab_size, self.features)(tokens)
     for window in self.windows:
-      x = Block(self.num_heads, self.num_kv_heads, window, self.impl, self.decode)(x, segment_ids, positions)
+      block = Block(self.num_heads, self.num_kv_heads, window, self.impl, self.decode, self.cache,
+                    self.num_pages, self.page_size, self.kv_cache_dtype)
+      x = block(x, segment_ids, positions, paged_batch)
     return nn.Dense(self.vocab_size)(nn.LayerNorm()(x))
 
 

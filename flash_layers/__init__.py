@@ -19,14 +19,15 @@ from flash_layers.impls import IMPLS, UnsupportedError  # noqa: E402
 from flash_layers.impls.tiling import BlockSizes, CpuBlockSizes, GpuBlockSizes  # noqa: E402
 from flash_layers.layers.flax_fn import attention_fn  # noqa: E402
 from flash_layers.layers.linen import MultiHeadAttention, MultiHeadDotProductAttention, SelfAttention  # noqa: E402
+from flash_layers.layers.page_allocator import PageAllocator, PagedBatch, PoolExhaustedError  # noqa: E402
 from flash_layers.lowering import interpret_as  # noqa: E402
 from flash_layers.paged_api import PagedExplanation, explain_paged, paged_attention, quantize_kv  # noqa: E402
 from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
 from flash_layers.tuning.tuner import autotune  # noqa: E402
 
 __all__ = ["IMPLS", "LOGICAL_RULES", "BlockMask", "BlockSizes", "CpuBlockSizes", "Explanation",
-           "GpuBlockSizes", "MultiHeadAttention", "MultiHeadDotProductAttention", "PagedExplanation",
-           "SelfAttention", "UnsupportedError",
+           "GpuBlockSizes", "MultiHeadAttention", "MultiHeadDotProductAttention", "PageAllocator",
+           "PagedBatch", "PagedExplanation", "PoolExhaustedError", "SelfAttention", "UnsupportedError",
            "alibi_slopes", "attention", "attention_fn", "autotune", "block_mask", "dropout_mask", "explain",
            "explain_paged", "interpret_as", "make_mesh", "masks", "paged_attention", "quantize_kv"]
 __version__ = "0.1.0"

@@ -602,15 +602,16 @@ def test_nnx_dropout_with_rngs_train_and_eval():
 def test_nnx_and_haiku_layers_take_every_linen_field():
   linen = {f.name for f in dataclasses.fields(fl.MultiHeadAttention)} - {"parent", "name"}
   own = {"nnx": {"in_features", "in_kv_features", "deterministic", "rngs", "keep_rngs"}, "haiku": {"name"}}
-  # Haiku has no mesh field: shard Haiku programs with jax.set_mesh around the call. Nor decode: Haiku
-  # has no cache collection (its state is explicit; docs/layers.md, "Decoding").
+  # Haiku has no mesh field: shard Haiku programs with jax.set_mesh around the call. Nor decode and the
+  # cache's fields: Haiku has no cache collection (its state is explicit; docs/layers.md, "Decoding").
   # flax's MultiHeadDotProductAttention fields are linen's and NNX's: Haiku has no flax module to match.
   flax_fields = {"qkv_features", "broadcast_dropout", "deterministic", "normalize_qk", "out_kernel_init",
                  "out_bias_init", "force_fp32_for_softmax"}
   # logical_axis_names picks linen's boxes (nn.LogicallyPartitioned) or plain arrays: NNX params carry the
   # names as metadata whatever it says, Haiku params carry none.
   missing_ok = {"nnx": {"logical_axis_names"},
-                "haiku": {"mesh", "decode", "cache_layout", "logical_axis_names"} | flax_fields}
+                "haiku": {"mesh", "decode", "cache_layout", "cache", "num_pages", "page_size",
+                          "kv_cache_dtype", "logical_axis_names"} | flax_fields}
   for kind, cls in (("nnx", flnnx.MultiHeadAttention), ("haiku", flh.MultiHeadAttention)):
     params = set(inspect.signature(cls.__init__).parameters) - {"self"}
     assert params == (linen - missing_ok[kind]) | own[kind], kind

@@ -7,6 +7,9 @@
 * flax_fn.py: `attention_fn`, the `attention_fn=` hook of flax's own modules.
 * nnx.py, haiku.py: the NNX and Haiku layers (`flash_layers.nnx`, `flash_layers.haiku` re-export them).
 * kv_cache.py: the KV cache of a decoding layer; rotary.py: rotary position embeddings.
+* paged_cache.py: the paged KV cache of a decoding layer (cache="paged": a pool of pages, each call's
+  `PagedBatch`, `fl.paged_attention`); page_allocator.py: its host-side page allocator (numpy only: no
+  jax, no flax).
 
 This package's own namespace holds only core's names, so importing a framework's module (the Haiku one,
 say) does not import the others' frameworks.

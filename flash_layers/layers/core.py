@@ -22,7 +22,7 @@ from flash_layers import api, auto, lowering, validate
 from flash_layers.contract import alibi as alibi_lib
 from flash_layers.impls import UnsupportedError, registry
 from flash_layers.impls import reference as reference_impl
-from flash_layers.layers import kv_cache, rotary
+from flash_layers.layers import kv_cache, paged_cache, rotary
 from flash_layers.parallel import sharded
 
 # Logical axis names of the parameters; sharding rules map them to mesh axes.
@@ -67,6 +67,10 @@ class AttentionFields:
   score_mod: Any = None
   decode: bool = False
   cache_layout: str = "flax"
+  cache: str = "contiguous"
+  num_pages: int | None = None
+  page_size: int | None = None
+  kv_cache_dtype: str | None = None
 
   @classmethod
   def of(cls, layer: Any) -> AttentionFields:
@@ -115,6 +119,7 @@ def check_fields(fields: AttentionFields) -> None:
   rotary.check_theta(fields.rope_theta)
   _check_bool(fields, "decode")
   kv_cache.check_cache_layout(fields.cache_layout)
+  paged_cache.check_fields(fields)
   if fields.decode and fields.global_tokens:
     raise ValueError("decode=True with global_tokens is not supported: a document's global tokens are "
                      "found from the segment ids of the whole sequence, which a decoding call does not see")

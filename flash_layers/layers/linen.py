@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 
 from flash_layers import auto
-from flash_layers.layers import core, kv_cache
+from flash_layers.layers import core, kv_cache, paged_cache
+from flash_layers.layers.page_allocator import PagedBatch
 
 
 class _Projection(nn.Module):
@@ -120,7 +121,12 @@ class MultiHeadAttention(nn.Module):
       instead (flash_layers/layers/kv_cache.py). Self-attention only.
     cache_layout: "flax" (`cached_key`/`cached_value` [batch, slots, kv_heads, head_dim], flax's) or
       "heads_first" ([batch, kv_heads, slots, head_dim]: what flash_pallas's decode kernel reads on a
-      TPU without copying the cache each step; docs/kernels.md).
+      TPU without copying the cache each step; docs/kernels.md). With cache="paged", the pool's layout.
+    cache: "contiguous" (the default: the cache above) or "paged": with decode=True, a pool of `num_pages`
+      pages of `page_size` tokens shared by a ragged batch of sequences, each call taking its
+      `paged_batch` (flash_layers/layers/paged_cache.py; a serving loop's `fl.PageAllocator` owns the
+      pages). kv_cache_dtype: the pages' dtype, None (the layer's) or "int8" (with float32 scales per
+      token and kv head).
     qkv_features, broadcast_dropout, deterministic, normalize_qk, out_kernel_init, out_bias_init: flax's
       `MultiHeadDotProductAttention` fields: the q/k/v projections' total width (num_heads * head_dim);
       one dropout mask for every batch row and head (default False here, True in flax); the default of
@@ -160,6 +166,10 @@ class MultiHeadAttention(nn.Module):
   score_mod: Callable | None = None
   decode: bool = False
   cache_layout: str = "flax"
+  cache: str = "contiguous"
+  num_pages: int | None = None
+  page_size: int | None = None
+  kv_cache_dtype: str | None = None
   # flax's MultiHeadDotProductAttention fields, with flax's meaning:
   qkv_features: int | None = None
   broadcast_dropout: bool = False
@@ -193,7 +203,7 @@ class MultiHeadAttention(nn.Module):
                positions: jax.Array | None = None, kv_positions: jax.Array | None = None,
                deterministic: bool | None = None, mod_operands: tuple | None = None,
                block_mask: Any = None, mask: jax.Array | None = None, dropout_rng: jax.Array | None = None,
-               sow_weights: bool = False) -> jax.Array:
+               sow_weights: bool = False, paged_batch: PagedBatch | None = None) -> jax.Array:
     """inputs_q [batch, q_len, features], inputs_kv [batch, kv_len, kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
@@ -207,6 +217,9 @@ class MultiHeadAttention(nn.Module):
     attend), deterministic (None: the field's, else True), dropout_rng (instead of the "dropout" rng
     stream), sow_weights (sow the probabilities [batch, heads, q_len, kv_len] as
     intermediates/attention_weights; for impls with the "sow_weights" capability, UnsupportedError otherwise).
+    paged_batch: with decode=True and cache="paged", the call's ragged batch (`fl.PagedBatch`, from
+    `fl.PageAllocator.batch`); inputs_q is then the packed new tokens [num_tokens, features] (or
+    [1, num_tokens, features]) and positions default to each token's position in its sequence.
     Returns [batch, q_len, out_features].
     """
     inputs_kv, inputs_v, self_attention = core.key_value_inputs(inputs_q, inputs_kv, inputs_k, inputs_v)
@@ -216,12 +229,21 @@ class MultiHeadAttention(nn.Module):
     fields = core.AttentionFields.of(self)
     dims = core.head_dims(fields, inputs_q, inputs_kv)
     core.check_decode_inputs(self.decode, inputs_q, inputs_kv)
-    decoding_now = self.decode and self.has_variable("cache", "cached_key")
-    if self.decode and not decoding_now:  # the init call: an empty cache sized by this input
-      values = core.cache_init_values(fields, dims, *inputs_q.shape[:2], self.dtype or inputs_q.dtype)
+    deterministic = core.resolve_deterministic(fields, deterministic)
+    paged = paged_cache.is_paged(fields)
+    paged_cache.check_call(fields, batch_shape, paged_batch, segment_ids=segment_ids, mask=mask,
+                           kv_segment_ids=kv_segment_ids, mod_operands=mod_operands, block_mask=block_mask,
+                           sow_weights=sow_weights, dropout=core.needs_dropout_rng(fields, deterministic))
+    decoding_now = self.decode and self.has_variable("cache", "k_pages" if paged else "cached_key")
+    if self.decode and not decoding_now:  # the init call: an empty cache sized by this input (or batch)
+      values = (paged_cache.init_values(fields, dims, paged_batch, self.dtype or inputs_q.dtype) if paged else
+                core.cache_init_values(fields, dims, *inputs_q.shape[:2], self.dtype or inputs_q.dtype))
       for name, value in values.items():
         self.variable("cache", name, lambda value=value: value)
-    if decoding_now and self.rope_theta is not None:
+    if paged and self.rope_theta is not None:
+      positions, kv_positions = paged_cache.rotary_positions(paged_batch, inputs_q.shape[1], positions,
+                                                             kv_positions)
+    elif decoding_now and self.rope_theta is not None:
       positions, kv_positions = kv_cache.rotary_positions(self.get_variable("cache", "cache_index"),
                                                           *inputs_q.shape[:2], positions, kv_positions)
     query = self._dense("query", (dims.num_heads, dims.head_dim), -1,
@@ -234,7 +256,6 @@ class MultiHeadAttention(nn.Module):
       norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
       query, key = norm(name="query_ln")(query), norm(name="key_ln")(key)
     query, key = core.rotate_heads(fields, query, key, positions, kv_positions, self_attention)
-    deterministic = core.resolve_deterministic(fields, deterministic)
     if not core.needs_dropout_rng(fields, deterministic):
       dropout_rng = None
     elif dropout_rng is None:
@@ -245,7 +266,12 @@ class MultiHeadAttention(nn.Module):
       self.sow("intermediates", "attention_weights",
                core.attention_weights(fields, batch_shape, query, key, value, segment_ids, kv_segment_ids,
                                       dropout_rng, sinks, mod_operands, mask))
-    if decoding_now:
+    if paged:  # the init call runs the step too, but keeps the empty pool
+      cache = {name: self.get_variable("cache", name) for name in paged_cache.names(fields)}
+      out, cache = paged_cache.step(fields, cache, query, key, value, paged_batch, sinks)
+      for name, value in cache.items() if decoding_now else ():
+        self.put_variable("cache", name, value)
+    elif decoding_now:
       cache = {name: self.get_variable("cache", name) for name in kv_cache.CACHE_NAMES}
       out, cache = core.decode_step(fields, cache, query, key, value, segment_ids, kv_segment_ids,
                                     dropout_rng, sinks, mod_operands, block_mask, mask)

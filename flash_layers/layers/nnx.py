@@ -17,6 +17,7 @@ sharded eagerly, so the layer builds with or without a mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -28,7 +29,8 @@ import numpy as np
 from flax import nnx
 
 from flash_layers import auto
-from flash_layers.layers import core, kv_cache
+from flash_layers.layers import core, kv_cache, paged_cache
+from flash_layers.layers.page_allocator import PagedBatch
 
 _PROJECTIONS = ("query", "key", "value", "out")
 # The linen layer's defaults (flax's DenseGeneral's).
@@ -56,6 +58,10 @@ class MultiHeadAttention(nnx.Module):
       (`nnx.Cache` variables `cached_key`, `cached_value`, `cache_index`, as flax's
       `nnx.MultiHeadAttention`, and `cached_segment_ids`; flash_layers/layers/kv_cache.py).
     cache_layout: "flax" or "heads_first", the cache's layout (`fl.MultiHeadAttention`'s field).
+    cache, num_pages, page_size, kv_cache_dtype: the paged cache (`fl.MultiHeadAttention`'s fields):
+      with cache="paged", `init_cache(paged_batch=...)` makes a pool of `num_pages` pages (`nnx.Cache`
+      variables `k_pages`, `v_pages`, ..., flash_layers/layers/paged_cache.py) and each decoding call
+      takes its `paged_batch`.
   """
 
   def __init__(self, num_heads: int, in_features: int, qkv_features: int | None = None,
@@ -74,7 +80,8 @@ class MultiHeadAttention(nnx.Module):
                broadcast_dropout: bool = False, normalize_qk: bool = False,
                out_kernel_init: Callable | None = None, out_bias_init: Callable | None = None,
                force_fp32_for_softmax: bool = False, keep_rngs: bool = True, cache_layout: str = "flax",
-               rngs: nnx.Rngs):
+               cache: str = "contiguous", num_pages: int | None = None, page_size: int | None = None,
+               kv_cache_dtype: str | None = None, rngs: nnx.Rngs):
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
     self.head_dim = head_dim
@@ -97,6 +104,8 @@ class MultiHeadAttention(nnx.Module):
     self.mask_mod, self.score_mod = mask_mod, score_mod
     self.decode = decode
     self.cache_layout = cache_layout
+    self.cache, self.num_pages, self.page_size = cache, num_pages, page_size
+    self.kv_cache_dtype = kv_cache_dtype
     self.qkv_features = qkv_features
     self.broadcast_dropout, self.normalize_qk = broadcast_dropout, normalize_qk
     self.force_fp32_for_softmax = force_fp32_for_softmax
@@ -133,19 +142,32 @@ class MultiHeadAttention(nnx.Module):
     self.sinks = nnx.Param(sinks_init(rngs.params(), (dims.num_heads,), jnp.float32)) if use_sinks else None
     self.rngs = nnx.data(None)
     self.cached_key = self.cached_value = self.cached_segment_ids = self.cache_index = nnx.data(None)
+    for name in paged_cache.NAMES:
+      setattr(self, name, nnx.data(None))
     if keep_rngs and dropout_rate and ("dropout" in rngs or "default" in rngs):
       self.rngs = rngs["dropout"].fork()
 
-  def init_cache(self, input_shape: tuple[int, ...], dtype: Any = jnp.float32) -> None:
+  def init_cache(self, input_shape: tuple[int, ...] | None = None, dtype: Any = jnp.float32, *,
+                 paged_batch: PagedBatch | None = None) -> None:
     """An empty KV cache for inputs of `input_shape` = [batch, max_length, features] (as flax's
     `nnx.MultiHeadAttention.init_cache`); a causal layer with a sliding window keeps a ring buffer of
-    the window instead of max_length entries."""
-    if len(input_shape) < 2:
-      raise ValueError(f"input_shape must be [batch..., max_length, features]; got {tuple(input_shape)}")
+    the window instead of max_length entries. With cache="paged": an empty pool of `num_pages` pages
+    of `dtype` (or `kv_cache_dtype`), and a page table shaped as `paged_batch`'s (input_shape unused;
+    `fl.PagedBatch.empty(max_seqs, pages_per_seq)` serves)."""
+    fields = core.AttentionFields.of(self)
+    if self.cache == "paged":
+      if not isinstance(paged_batch, PagedBatch):
+        raise TypeError("init_cache of a paged layer takes paged_batch=, a PagedBatch (PagedBatch.empty("
+                        f"max_seqs, pages_per_seq) serves); got {type(paged_batch).__name__}")
+      dims = core.resolve_dims(fields, self.in_features)
+      for name, value in paged_cache.init_values(fields, dims, paged_batch, dtype).items():
+        setattr(self, name, nnx.Cache(value))
+      return
+    if input_shape is None or len(input_shape) < 2:
+      raise ValueError(f"input_shape must be [batch..., max_length, features]; got {input_shape!r}")
     input_shape = (math.prod(input_shape[:-2]), *input_shape[-2:])  # the call flattens the batch dims
     if self.global_tokens:
       raise ValueError("decoding with global_tokens is not supported (core.check_fields says why)")
-    fields = core.AttentionFields.of(self)
     values = core.cache_init_values(fields, core.resolve_dims(fields, self.in_features), *input_shape[:2],
                                     dtype)
     for name, value in values.items():
@@ -164,7 +186,7 @@ class MultiHeadAttention(nnx.Module):
                rngs: nnx.Rngs | nnx.RngStream | jax.Array | None = None,
                mod_operands: tuple | None = None,
                block_mask: Any = None, decode: bool | None = None, mask: jax.Array | None = None,
-               sow_weights: bool = False) -> jax.Array:
+               sow_weights: bool = False, paged_batch: PagedBatch | None = None) -> jax.Array:
     """inputs_q [batch, q_len, in_features], inputs_kv [batch, kv_len, in_kv_features] (None: self-attention).
 
     segment_ids [batch, q_len] / kv_segment_ids [batch, kv_len] as in `fl.attention`.
@@ -174,7 +196,8 @@ class MultiHeadAttention(nnx.Module):
     layer's mask_mod / score_mod. decode: None for the layer's attribute; True appends this call's
     tokens to the cache (`init_cache` first) and attends to everything cached. inputs_v, inputs_k,
     mask, sow_weights: flax's, as in the linen layer (the weights are sown as
-    `nnx.Intermediate` "attention_weights").
+    `nnx.Intermediate` "attention_weights"). paged_batch: a paged decoding call's ragged batch, as in
+    the linen layer (cache="paged").
     Returns [batch, q_len, out_features].
     """
     fields = core.AttentionFields.of(self)  # at the call: set_view / model.eval() change deterministic
@@ -190,12 +213,21 @@ class MultiHeadAttention(nnx.Module):
         raise ValueError(f"{name} has {x.shape[-1]} features; this layer was built for {want} "
                          f"({'in_features' if name == 'inputs_q' else 'in_kv_features'})")
     deterministic = core.resolve_deterministic(fields, deterministic)
-    dropout_rng = self._dropout_key(rngs) if core.needs_dropout_rng(fields, deterministic) else None
     decode = self.decode if decode is None else decode
     core.check_decode_inputs(decode, inputs_q, inputs_kv)
-    if decode and self.cache_index is None:
-      raise ValueError("decode=True needs a KV cache: call layer.init_cache(input_shape) first")
-    if decode and self.rope_theta is not None:
+    fields = dataclasses.replace(fields, decode=decode)
+    paged = paged_cache.is_paged(fields)
+    paged_cache.check_call(fields, batch_shape, paged_batch, segment_ids=segment_ids, mask=mask,
+                           kv_segment_ids=kv_segment_ids, mod_operands=mod_operands, block_mask=block_mask,
+                           sow_weights=sow_weights, dropout=core.needs_dropout_rng(fields, deterministic))
+    dropout_rng = self._dropout_key(rngs) if core.needs_dropout_rng(fields, deterministic) else None
+    if decode and (self.k_pages if paged else self.cache_index) is None:
+      raise ValueError("decode=True needs a KV cache: call layer.init_cache("
+                       f"{'paged_batch=...' if paged else 'input_shape'}) first")
+    if paged and self.rope_theta is not None:
+      positions, kv_positions = paged_cache.rotary_positions(paged_batch, inputs_q.shape[1], positions,
+                                                             kv_positions)
+    elif decode and self.rope_theta is not None:
       positions, kv_positions = kv_cache.rotary_positions(self.cache_index[...], *inputs_q.shape[:2],
                                                           positions, kv_positions)
     query, key, value = self.query(inputs_q), self.key(inputs_kv), self.value(inputs_v)
@@ -207,7 +239,12 @@ class MultiHeadAttention(nnx.Module):
       self.sow(nnx.Intermediate, "attention_weights",
                core.attention_weights(fields, batch_shape, query, key, value, segment_ids, kv_segment_ids,
                                       dropout_rng, sinks, mod_operands, mask))
-    if decode:
+    if paged:
+      cache = {name: getattr(self, name)[...] for name in paged_cache.names(fields)}
+      out, cache = paged_cache.step(fields, cache, query, key, value, paged_batch, sinks)
+      for name, value in cache.items():
+        getattr(self, name)[...] = value
+    elif decode:
       cache = {name: getattr(self, name)[...] for name in kv_cache.CACHE_NAMES}
       out, cache = core.decode_step(fields, cache, query, key, value, segment_ids, kv_segment_ids,
                                     dropout_rng, sinks, mod_operands, block_mask, mask)
