@@ -130,9 +130,14 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *, pag
 
 
 def _fails(impl, spec, platform):
-  def fail(q, k, v):
-    choose(impl, spec, platform)  # raises: the message names what is missing
-  return fail
+  """A branch for a platform the impl cannot serve: it fails only if that platform is lowered."""
+  try:
+    choose(impl, spec, platform)
+  except UnsupportedError as e:
+    message = str(e)
+  shapes = (jax.ShapeDtypeStruct((spec.num_tokens, spec.num_heads, spec.head_dim_v), spec.dtype),
+            jax.ShapeDtypeStruct((spec.num_tokens, spec.num_heads), "float32"))
+  return lambda q, k, v: tuple(lowering.fails_when_lowered(message, shapes, q, k, v))
 
 
 @dataclasses.dataclass(frozen=True)

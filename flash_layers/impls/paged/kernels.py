@@ -46,13 +46,7 @@ class PagedKernels:
 
   def unsupported(self, spec: PagedSpec, platform: str) -> str | None:
     family, _ = family_for(platform)
-    try:
-      module = family_module(family)
-    except ModuleNotFoundError as error:  # a family's kernel not in this tree (yet): "auto" passes it over
-      if error.name != _FAMILY_MODULES[family]:
-        raise
-      return f"the {_NAMES[family]} kernel is not available ({error.name} is missing)"
-    return module.unsupported(spec)
+    return family_module(family).unsupported(spec)
 
   def kernel(self, spec: PagedSpec, platform: str) -> str:
     family, interpreted = family_for(platform)
