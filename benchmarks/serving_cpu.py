@@ -8,7 +8,8 @@ lengths drawn uniformly in [`--min-prompt`, `--max-prompt`], each wanting a numb
 [`--min-new`, `--max-new`], arriving `--arrival-gap` steps apart.
 
 * continuous (paged): `examples.serve.Server`: `--max-seqs` slots, a token budget per step
-  (`--token-budget`), requests joining when a slot and their pages are free, leaving when done; a pool
+  (`--token-budget`; a step of fewer tokens runs in the smallest of `--token-buckets` that holds them),
+  requests joining when a slot and their pages are free, leaving when done; a pool
   of pages sized for the largest concurrency the server admits. float32 pages, and `--int8` adds int8.
 * static (contiguous): what the layers did before, the way `examples.decoder.generate` runs: requests in
   arrival order in batches of `--max-seqs`, each batch left-padded to the longest prompt of the whole
@@ -77,7 +78,8 @@ def continuous(model, params, requests, args, kv_cache_dtype=None) -> dict:
   num_pages = sum(need[: args.max_seqs])
   server = PeakServer(model, params, num_pages=num_pages, page_size=args.page_size, max_seqs=args.max_seqs,
                       pages_per_seq=pages_per_seq, token_budget=args.token_budget,
-                      kv_cache_dtype=kv_cache_dtype)
+                      kv_cache_dtype=kv_cache_dtype,
+                      token_buckets=[int(b) for b in args.token_buckets.split(",") if b])
   stats = server.run(requests)
   pool = [x for path, x in jax.tree_util.tree_leaves_with_path(server.cache)
           if getattr(path[-1], "key", None) in ("k_pages", "v_pages", "k_scales", "v_scales")]
@@ -175,6 +177,7 @@ def main(argv=None) -> dict:
   p.add_argument("--arrival-gap", type=int, default=2)
   p.add_argument("--max-seqs", type=int, default=8)
   p.add_argument("--token-budget", type=int, default=128)
+  p.add_argument("--token-buckets", default="8,32", help="smaller step sizes (examples/serve.py)")
   p.add_argument("--page-size", type=int, default=16)
   p.add_argument("--vocab", type=int, default=512)
   p.add_argument("--features", type=int, default=256)

@@ -16,9 +16,10 @@ below, which runs the serving loop one step at a time:
    chunks of the admitted prompts in arrival order, as much of each prompt as the budget leaves. A long
    prompt is prefilled over several steps while other requests decode.
 3. The allocator grows each scheduled sequence, `batch()` describes the call, the tokens are packed into
-   one [1, token_budget] row (padding after them) and the jitted step runs: every layer writes the new
-   keys and values into their pages and attends with `fl.paged_attention`. Every shape is fixed, so the
-   step compiles once, whatever joins or leaves.
+   one [1, rows] row (padding after them; rows: token_budget, or the smallest of `token_buckets` that
+   holds them) and the jitted step runs: every layer writes the new keys and values into their pages
+   and attends with `fl.paged_attention`. Every shape is fixed, so the step compiles once per bucket,
+   whatever joins or leaves.
 4. A request whose prompt is all in takes the greedy token of its last row's logits; when it has
    `max_new_tokens` it leaves, and its pages and slot go back to the allocator.
 
@@ -72,19 +73,23 @@ class Server:
 
   def __init__(self, model: decoder.CausalLM, params, *, num_pages: int = 16, page_size: int = 8,
                max_seqs: int = 4, pages_per_seq: int = 8, token_budget: int = 16,
-               kv_cache_dtype: str | None = None):
+               kv_cache_dtype: str | None = None, token_buckets: Sequence[int] = ()):
     self.model = model.clone(decode=True, cache="paged", num_pages=num_pages, page_size=page_size,
                              kv_cache_dtype=kv_cache_dtype)
     self.params = params
     self.token_budget = token_budget
+    # The step's token rows: the smallest bucket that holds the step's tokens (one compile per bucket),
+    # so a step of decoding tokens alone does not run token_budget rows of padding.
+    self.buckets = sorted({int(b) for b in token_buckets if 0 < int(b) < token_budget} | {token_budget})
     self.allocator = fl.PageAllocator(num_pages, page_size, max_seqs, pages_per_seq)
     self.history: list[tuple[int, int, int]] = []  # per step run: (step, decoding tokens, prefill tokens)
     self.traces = 0  # times the step was traced (compiled): 1
     empty = fl.PagedBatch.empty(max_seqs, pages_per_seq)
-    tokens = jnp.zeros((1, token_budget), jnp.int32)
-    self.cache = self.model.init(jax.random.key(0), tokens, paged_batch=empty)["cache"]
+    self.cache = self.model.init(jax.random.key(0), jnp.zeros((1, token_budget), jnp.int32),
+                                 paged_batch=empty)["cache"]
     self._step = jax.jit(self._apply)
-    self._step(self.params, self.cache, tokens, empty)  # compile now: the only compile
+    for rows in self.buckets:  # compile now: the only compiles, one per bucket
+      self._step(self.params, self.cache, jnp.zeros((1, rows), jnp.int32), empty)
 
   def _apply(self, params, cache, tokens, batch: fl.PagedBatch):
     """(the logits of each scheduled sequence's last row [max_seqs, vocab], the updated cache)."""
@@ -125,7 +130,8 @@ class Server:
   def step(self, running: list[Request], step: int) -> int:
     """Run one step of the running requests; returns the tokens it fed."""
     schedule = self._schedule(running)
-    tokens = np.zeros((1, self.token_budget), np.int32)
+    rows = next(b for b in self.buckets if b >= sum(n for _, n in schedule))
+    tokens = np.zeros((1, rows), np.int32)
     start = 0
     for request, n in schedule:
       self.allocator.grow(request.slot, n)
@@ -185,11 +191,13 @@ def main(argv=None) -> None:
   parser.add_argument("--kv-cache-dtype", default=None, choices=[None, "int8"])
   parser.add_argument("--token-budget", type=int, default=16)
   parser.add_argument("--max-seqs", type=int, default=4)
+  parser.add_argument("--token-buckets", default="", help="comma-separated smaller step sizes, e.g. 4,8")
   args = parser.parse_args(argv)
   model = decoder.CausalLM(impl=args.impl)
   params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
   server = Server(model, params, max_seqs=args.max_seqs, token_budget=args.token_budget,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype,
+                  token_buckets=[int(b) for b in args.token_buckets.split(",") if b])
   requests = demo_requests(model.vocab_size)
   stats = server.run(requests)
   for i, r in enumerate(requests):

@@ -35,9 +35,9 @@ def setup():
   return model, params, prompts, [(np.asarray(tokens[0]), np.asarray(logits[0])) for tokens, logits in alone]
 
 
-def _serve(model, params, prompts, kv_cache_dtype=None):
+def _serve(model, params, prompts, kv_cache_dtype=None, token_buckets=()):
   server = serve.Server(model, params, num_pages=10, page_size=4, max_seqs=3, pages_per_seq=6, token_budget=8,
-                        kv_cache_dtype=kv_cache_dtype)
+                        kv_cache_dtype=kv_cache_dtype, token_buckets=token_buckets)
   requests = [serve.Request(prompt, new, arrival) for prompt, (_, new, arrival) in zip(prompts, SHAPES,
                                                                                         strict=True)]
   stats = server.run(requests)
@@ -59,6 +59,16 @@ def test_every_request_gets_the_tokens_it_gets_alone(setup):
   assert stats["fed"] == sum(length + new - 1 for length, new, _ in SHAPES)
   assert server.allocator.pages_in_use == 0 and server.allocator.active_slots == []
   server.allocator.check_invariants()
+
+
+def test_token_buckets_give_the_same_tokens(setup):
+  """Steps of few tokens run in the smaller bucket (one compile per bucket): the same tokens as alone."""
+  model, params, prompts, alone = setup
+  server, requests, _ = _serve(model, params, prompts, token_buckets=(3,))
+  for request, (tokens, logits) in zip(requests, alone, strict=True):
+    assert request.tokens == tokens.tolist()
+    np.testing.assert_allclose(np.stack(request.logits), logits, atol=1e-5, rtol=0)
+  assert server.buckets == [3, 8] and server.traces == 2
 
 
 def test_int8_pages_stay_within_their_rounding(setup):
