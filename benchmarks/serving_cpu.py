@@ -16,8 +16,9 @@ lengths drawn uniformly in [`--min-prompt`, `--max-prompt`], each wanting a numb
   run and decoded for the largest number of new tokens asked (one shape: one compile), every row's
   cache sized for that; a request's surplus tokens are computed and dropped.
 
-Reported: generated tokens per second (the tokens the requests asked for, over the loop's wall time,
-compile excluded: both compile before the clock starts), the cache's bytes (every layer's K and V, scales
+Reported: generated tokens per second (the tokens the requests asked for, over the loop's wall time, the
+median of `--rounds` rounds run interleaved, compile excluded: every case compiles before the clock
+starts), the cache's bytes (every layer's K and V, scales
 included), and for the paged server the peak of the pages in use against the tokens they hold (at most
 one partial page per sequence by construction; the row states it).
 """
@@ -28,6 +29,7 @@ import argparse
 import datetime
 import json
 import platform
+import statistics
 import time
 
 import jax
@@ -70,7 +72,8 @@ class PeakServer(serve.Server):
     return fed
 
 
-def continuous(model, params, requests, args, kv_cache_dtype=None) -> dict:
+def continuous(model, params, requests, args, kv_cache_dtype=None):
+  """A function serving fresh copies of `requests` with the paged server (compiled now): its result row."""
   longest = max(r.max_length for r in requests)
   pages_per_seq = pages_for(longest, args.page_size)
   # The pool: the pages of the max_seqs longest generations (what admission may promise at once).
@@ -80,23 +83,26 @@ def continuous(model, params, requests, args, kv_cache_dtype=None) -> dict:
                       pages_per_seq=pages_per_seq, token_budget=args.token_budget,
                       kv_cache_dtype=kv_cache_dtype,
                       token_buckets=[int(b) for b in args.token_buckets.split(",") if b])
-  stats = server.run(requests)
   pool = [x for path, x in jax.tree_util.tree_leaves_with_path(server.cache)
           if getattr(path[-1], "key", None) in ("k_pages", "v_pages", "k_scales", "v_scales")]
   page_bytes = _tree_bytes(pool) // num_pages
-  return {"tokens_per_s": round(stats["generated"] / stats["seconds"], 2),
-          "seconds": round(stats["seconds"], 3), "steps": stats["steps"], "generated": stats["generated"],
-          "fed": stats["fed"],
-          "traces": server.traces, "pool_pages": num_pages, "page_size": args.page_size,
-          "cache_bytes": _tree_bytes(server.cache), "bytes_per_page_all_layers": page_bytes,
-          "peak_pages_in_use": server.peak_pages, "peak_tokens_held": server.peak_tokens,
-          "peak_sequences": server.peak_sequences,
-          "peak_bytes_in_use": server.peak_pages * page_bytes,
-          "peak_pages_bound": -(-server.peak_tokens // args.page_size) + server.peak_sequences,
-          "tokens": [r.tokens for r in requests]}
+
+  def run() -> dict:
+    served = [dataclass_copy(r) for r in requests]
+    stats = server.run(served)
+    return {"seconds": stats["seconds"], "steps": stats["steps"], "generated": stats["generated"],
+            "fed": stats["fed"], "traces": server.traces, "pool_pages": num_pages,
+            "page_size": args.page_size,
+            "cache_bytes": _tree_bytes(server.cache), "bytes_per_page_all_layers": page_bytes,
+            "peak_pages_in_use": server.peak_pages, "peak_tokens_held": server.peak_tokens,
+            "peak_sequences": server.peak_sequences, "peak_bytes_in_use": server.peak_pages * page_bytes,
+            "peak_pages_bound": -(-server.peak_tokens // args.page_size) + server.peak_sequences,
+            "tokens": [r.tokens for r in served]}
+  return run
 
 
-def static(model, params, requests, args) -> dict:
+def static(model, params, requests, args):
+  """A function running `requests` in static batches with the contiguous cache (compiled now)."""
   longest = max(len(r.prompt) for r in requests)
   steps = max(r.max_new_tokens for r in requests)
   dec = model.clone(decode=True)
@@ -131,13 +137,14 @@ def static(model, params, requests, args) -> dict:
 
   groups = [requests[i:i + batch] for i in range(0, len(requests), batch)]
   run_batch(groups[0])  # compile (the feed's two shapes)
-  started = time.perf_counter()
-  tokens = [t for g in groups for t in run_batch(g)]
-  seconds = time.perf_counter() - started
-  generated = sum(r.max_new_tokens for r in requests)
-  return {"tokens_per_s": round(generated / seconds, 2), "seconds": round(seconds, 3), "generated": generated,
-          "computed_tokens": len(groups) * batch * steps, "cache_bytes": _tree_bytes(cache0),
-          "slots_per_row": longest + steps, "tokens": tokens}
+
+  def run() -> dict:
+    started = time.perf_counter()
+    tokens = [t for g in groups for t in run_batch(g)]
+    return {"seconds": time.perf_counter() - started, "generated": sum(r.max_new_tokens for r in requests),
+            "computed_tokens": len(groups) * batch * steps, "cache_bytes": _tree_bytes(cache0),
+            "slots_per_row": longest + steps, "tokens": tokens}
+  return run
 
 
 def measure(args) -> dict:
@@ -145,11 +152,20 @@ def measure(args) -> dict:
                            num_kv_heads=args.num_kv_heads, windows=(None, None), impl=args.impl)
   params = model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"]
   requests = make_requests(args)
-  rows = {"static_contiguous": static(model, params, [dataclass_copy(r) for r in requests], args),
-          "continuous_paged": continuous(model, params, [dataclass_copy(r) for r in requests], args)}
+  runners = {"static_contiguous": static(model, params, requests, args),
+             "continuous_paged": continuous(model, params, requests, args)}
   if args.int8:
-    rows["continuous_paged_int8"] = continuous(model, params, [dataclass_copy(r) for r in requests], args,
-                                               kv_cache_dtype="int8")
+    runners["continuous_paged_int8"] = continuous(model, params, requests, args, kv_cache_dtype="int8")
+  results = {name: [] for name in runners}
+  for _ in range(args.rounds):  # interleaved: a change of the machine's load hits every case alike
+    for name, run in runners.items():
+      results[name].append(run())
+  rows = {}
+  for name, runs in results.items():
+    row = dict(runs[-1])
+    row["seconds"] = round(statistics.median(r["seconds"] for r in runs), 3)
+    row["tokens_per_s"] = round(row["generated"] / row["seconds"], 2)
+    rows[name] = row
   same = rows["static_contiguous"]["tokens"] == rows["continuous_paged"]["tokens"]
   for row in rows.values():
     row.pop("tokens")
@@ -186,6 +202,7 @@ def main(argv=None) -> dict:
   p.add_argument("--int8", action="store_true")
   p.add_argument("--impl", default="auto")
   p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--rounds", type=int, default=3, help="interleaved runs of every case; the median")
   p.add_argument("--json", metavar="PATH")
   args = p.parse_args(argv)
   result = {"benchmark": "continuous batching with a paged cache (examples/serve.py) vs static batches with "
