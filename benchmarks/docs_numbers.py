@@ -200,6 +200,29 @@ REGISTRY: dict[str, Number] = {
     **{f"gridmods.{name}.{what}": Number("tpu-grid-mods-v5e-32k-2026-12-04.json",
                                          f"rows.[mask_mod={name}].{what}", ",d")
        for name in ("prefix_lm", "chunked_causal") for what in ("executed_points", "visible_tiles")},
+    # Paged decoding on the CPU (benchmarks/paged_cpu.py) and continuous batching (benchmarks/serving_cpu.py).
+    **{f"paged.cpu.{case}.{what}": Number("paged-cpu-2026-12-06.json", f"cases.{case}.{path}", fmt, scale)
+       for case in ("contiguous", "paged", "paged_int8")
+       for what, path, fmt, scale in (("wall_ms", "wall_ms", ".1f", 1.0),
+                                      ("wall_ratio", "wall_vs_contiguous", ".2f", 1.0),
+                                      ("bytes_ratio", "bytes_vs_contiguous", ".2f", 1.0),
+                                      ("cache_mib", "cache_bytes", ".1f", MIB))},
+    "paged.cpu.pages_in_use": Number("paged-cpu-2026-12-06.json", "pages_in_use", "d"),
+    "paged.cpu.date": Number("paged-cpu-2026-12-06.json", "date", "s"),
+    **{f"serving.{case}.{what}": Number("serving-cpu-2026-12-06.json", f"rows.{case}.{path}", fmt, scale)
+       for case in ("static_contiguous", "continuous_paged", "continuous_paged_int8")
+       for what, path, fmt, scale in (("tokens_per_s", "tokens_per_s", ".0f", 1.0),
+                                      ("tps_ratio", "tokens_per_s_vs_static", ".2f", 1.0),
+                                      ("bytes_ratio", "cache_bytes_vs_static", ".2f", 1.0),
+                                      ("cache_mib", "cache_bytes", ".2f", MIB))},
+    **{f"serving.continuous_paged.{what}": Number("serving-cpu-2026-12-06.json", f"rows.continuous_paged.{what}",
+                                                  "d")
+       for what in ("peak_pages_in_use", "peak_pages_bound", "peak_tokens_held", "peak_sequences", "steps",
+                    "pool_pages")},
+    "serving.static_contiguous.computed_tokens": Number("serving-cpu-2026-12-06.json",
+                                                        "rows.static_contiguous.computed_tokens", "d"),
+    "serving.generated": Number("serving-cpu-2026-12-06.json", "rows.static_contiguous.generated", "d"),
+    "serving.date": Number("serving-cpu-2026-12-06.json", "date", "s"),
     # One decoding step compiled for TPUs (benchmarks/decode_aot.py): temporaries by cache layout.
     "decode.aot.cache_mib": Number(_DECODE_AOT, "problem.one_cache_tensor_mib", ".1f"),
     **{f"decode.aot.{gen}.{layout}_temp_mib":
