@@ -30,6 +30,7 @@ from collections.abc import Iterable
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 MIB, GIB = 2.0**-20, 2.0**-30
+_PAGED_TPU = "paged-tpu-aot-2026-12-06.json"
 
 MARKER = re.compile(r"<!--n:([\w.@+:-]+)-->(.*?)<!--/n-->")
 OPS = ("/", "min", "max")
@@ -215,14 +216,27 @@ REGISTRY: dict[str, Number] = {
                                       ("tps_ratio", "tokens_per_s_vs_static", ".2f", 1.0),
                                       ("bytes_ratio", "cache_bytes_vs_static", ".2f", 1.0),
                                       ("cache_mib", "cache_bytes", ".2f", MIB))},
-    **{f"serving.continuous_paged.{what}": Number("serving-cpu-2026-12-06.json", f"rows.continuous_paged.{what}",
-                                                  "d")
+    **{f"serving.continuous_paged.{what}":
+       Number("serving-cpu-2026-12-06.json", f"rows.continuous_paged.{what}", "d")
        for what in ("peak_pages_in_use", "peak_pages_bound", "peak_tokens_held", "peak_sequences", "steps",
                     "pool_pages")},
     "serving.static_contiguous.computed_tokens": Number("serving-cpu-2026-12-06.json",
                                                         "rows.static_contiguous.computed_tokens", "d"),
     "serving.generated": Number("serving-cpu-2026-12-06.json", "rows.static_contiguous.generated", "d"),
     "serving.date": Number("serving-cpu-2026-12-06.json", "date", "s"),
+    # The paged TPU kernel beside jax's ragged_paged_attention, AOT (benchmarks/paged_tpu.py).
+    **{f"paged.tpu.{gen}.{kernel}.{case}.{what}":
+       Number(_PAGED_TPU, f"rows.[generation={gen},kernel={kernel},config={config},case={case}].{path}", fmt,
+              scale)
+       for gen in ("v5e", "v6e") for kernel, config in (("ours", "-"), ("jax", "kv4"))
+       for case in ("bf16", "int8", "bf16_window4096")
+       for what, path, fmt, scale in (("gib", "kv_bytes_streamed", ".2f", GIB),
+                                      ("temp_mib", "temp_bytes", ".2f", MIB))},
+    **{f"paged.tpu.v5e.ours.{case}.{what}":
+       Number(_PAGED_TPU, f"rows.[generation=v5e,kernel=ours,case={case}].{what}", ",d")
+       for case in ("bf16", "bf16_window4096") for what in ("grid_points", "static_grid_bound")},
+    "paged.tpu.recorder.recorded": Number(_PAGED_TPU, "recorder_scaled_down.ours.recorded_grid_points", "d"),
+    "paged.tpu.recorder.counted": Number(_PAGED_TPU, "recorder_scaled_down.ours.counted_grid_points", "d"),
     # One decoding step compiled for TPUs (benchmarks/decode_aot.py): temporaries by cache layout.
     "decode.aot.cache_mib": Number(_DECODE_AOT, "problem.one_cache_tensor_mib", ".1f"),
     **{f"decode.aot.{gen}.{layout}_temp_mib":
