@@ -283,20 +283,22 @@ def _copy(call: PagedCall, table_ref, stream: _Stream, head, step: _Step, slot, 
   return pltpu.make_async_copy(stream.hbm.at[head, page], stream.buf.at[slot, rows], sem)
 
 
-def _start(call: PagedCall, table_ref, streams, head, step: _Step, slot):
+def _dma(call: PagedCall, table_ref, streams, head, step: _Step, slot, *, wait: bool):
+  """Start (wait=False) or wait for (wait=True) the copies of a step's pages into `slot`."""
   for i in range(call.pages_per_step):
     @pl.when(i < step.pages)
     def _():
       for stream in streams:
-        _copy(call, table_ref, stream, head, step, slot, i).start()
+        copy = _copy(call, table_ref, stream, head, step, slot, i)
+        copy.wait() if wait else copy.start()
+
+
+def _start(call: PagedCall, table_ref, streams, head, step: _Step, slot):
+  _dma(call, table_ref, streams, head, step, slot, wait=False)
 
 
 def _wait(call: PagedCall, table_ref, streams, head, step: _Step, slot):
-  for i in range(call.pages_per_step):
-    @pl.when(i < step.pages)
-    def _():
-      for stream in streams:
-        _copy(call, table_ref, stream, head, step, slot, i).wait()
+  _dma(call, table_ref, streams, head, step, slot, wait=True)
 
 
 def _logits(call: PagedCall, q, k, k_scales):

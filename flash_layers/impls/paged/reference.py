@@ -42,7 +42,7 @@ def softmax_out(spec: PagedSpec, logits, values, valid, dtype):
 
 
 def gather_keys(spec: PagedSpec, pages, scales, table_rows, compute_dtype):
-  """The pages of each row's sequence, [rows, pages_per_seq * page_size, kv_heads, d], dequantized."""
+  """Pages by id, [rows, n pages] -> [rows, n * page_size, kv_heads, d] in compute_dtype, dequantized."""
   pages = paged.to_flax(pages, spec.layout)
   scales = None if scales is None else paged.to_flax(scales, spec.layout)
   rows = table_rows.shape[0]
@@ -50,7 +50,7 @@ def gather_keys(spec: PagedSpec, pages, scales, table_rows, compute_dtype):
   if scales is not None:
     gathered = paged.dequantize(gathered, scales[table_rows], jnp.float32)
   gathered = gathered.astype(compute_dtype)
-  return gathered.reshape(rows, spec.max_kv_len, *gathered.shape[3:])
+  return gathered.reshape(rows, -1, *gathered.shape[3:])
 
 
 def compute_dtype(spec: PagedSpec):

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 from flash_layers.contract import paged
 from flash_layers.contract.paged import PagedSpec
-from flash_layers.impls.paged.reference import compute_dtype, row_logits
+from flash_layers.impls.paged.reference import compute_dtype, gather_keys, row_logits
 
 ROWS = 8  # query rows per block
 CHUNK_KEYS = 512  # keys gathered per loop step (whole pages: at least one)
@@ -26,16 +26,6 @@ CHUNK_KEYS = 512  # keys gathered per loop step (whole pages: at least one)
 
 def _chunk_pages(spec: PagedSpec) -> int:
   return max(1, min(spec.pages_per_seq, CHUNK_KEYS // spec.page_size))
-
-
-def _gather(spec: PagedSpec, pages, scales, table, dtype):
-  """[rows, chunk pages] of page ids -> [rows, chunk keys, kv_heads, d] in dtype, dequantized."""
-  pages = paged.to_flax(pages, spec.layout)
-  gathered = pages[table]
-  if scales is not None:
-    gathered = paged.dequantize(gathered, paged.to_flax(scales, spec.layout)[table], jnp.float32)
-  gathered = gathered.astype(dtype)
-  return gathered.reshape(table.shape[0], -1, *gathered.shape[3:])
 
 
 def _block(spec: PagedSpec, q, k_pages, v_pages, arrays, seq, pos, valid):
@@ -58,8 +48,8 @@ def _block(spec: PagedSpec, q, k_pages, v_pages, arrays, seq, pos, valid):
     page_idx = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
     table = arrays["page_table"][seq[:, None], jnp.minimum(page_idx, spec.pages_per_seq - 1)[None, :]]
     table = jnp.clip(table, 0, spec.num_pages - 1)
-    keys = _gather(spec, k_pages, arrays["k_scales"], table, dtype)
-    values = _gather(spec, v_pages, arrays["v_scales"], table, dtype)
+    keys = gather_keys(spec, k_pages, arrays["k_scales"], table, dtype)
+    values = gather_keys(spec, v_pages, arrays["v_scales"], table, dtype)
     s = row_logits(spec, qg, keys, seq, pos, kv_lens, kv_offset=c * chunk * spec.page_size)
     m_new = jnp.maximum(m, s.max(-1))
     m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
