@@ -61,12 +61,13 @@ def ring_attention(q, k, v, q_seg, kv_seg, config: RingConfig, args: Args | None
   extras = (args.dropout_seed, jnp.asarray(args.batch_offset, jnp.int32),
             jnp.asarray(args.head_offset, jnp.int32), args.alibi_slopes)
   if config.chunks == 2:
-    q, k, v, q_seg, kv_seg = (_to_zigzag(x, config) for x in (q, k, v, q_seg, kv_seg))
+    q, k, v, q_seg, kv_seg = (to_zigzag(x, config.axis, config.size) for x in (q, k, v, q_seg, kv_seg))
   else:
     q, k, v, q_seg, kv_seg = ([x] for x in (q, k, v, q_seg, kv_seg))
   out, lse = _ring(config)(q, k, v, q_seg, kv_seg, extras)
   if config.chunks == 2:
-    return _from_zigzag(out, config, seq_dim=1), _from_zigzag(lse, config, seq_dim=2)
+    return (from_zigzag(out, config.axis, config.size, seq_dim=1),
+            from_zigzag(lse, config.axis, config.size, seq_dim=2))
   return out[0], lse[0]
 
 
@@ -87,27 +88,29 @@ def _zigzag_perms(n: int):
   return first, second
 
 
-def _to_zigzag(x, config: RingConfig, seq_dim: int = 1):
-  """[.., 2c, ..] contiguous block -> [slot 0 = chunk i, slot 1 = chunk 2n-1-i]."""
+def to_zigzag(x, axis: str, size: int, seq_dim: int = 1):
+  """[.., 2c, ..] contiguous block -> [slot 0 = chunk i, slot 1 = chunk 2n-1-i] on device i of
+  `axis` (of `size` devices); None -> [None, None]. Also used by the all-gather strategy."""
   if x is None:
     return [None, None]
-  first_perm, second_perm = _zigzag_perms(config.size)
+  first_perm, second_perm = _zigzag_perms(size)
   first, second = jnp.split(x, 2, axis=seq_dim)
-  from_first = jax.lax.ppermute(first, config.axis, first_perm)
-  from_second = jax.lax.ppermute(second, config.axis, second_perm)
+  from_first = jax.lax.ppermute(first, axis, first_perm)
+  from_second = jax.lax.ppermute(second, axis, second_perm)
   # An even device receives its own-numbered chunk (slot 0) from a first half, an odd one from a
   # second half (see _zigzag_perms).
-  even = jax.lax.axis_index(config.axis) % 2 == 0
+  even = jax.lax.axis_index(axis) % 2 == 0
   return [jnp.where(even, from_first, from_second), jnp.where(even, from_second, from_first)]
 
 
-def _from_zigzag(slots, config: RingConfig, seq_dim: int):
-  first_perm, second_perm = _zigzag_perms(config.size)
-  even = jax.lax.axis_index(config.axis) % 2 == 0
+def from_zigzag(slots, axis: str, size: int, seq_dim: int):
+  """The inverse of `to_zigzag`: two slots -> the contiguous block."""
+  first_perm, second_perm = _zigzag_perms(size)
+  even = jax.lax.axis_index(axis) % 2 == 0
   to_first = jnp.where(even, slots[0], slots[1])
   to_second = jnp.where(even, slots[1], slots[0])
-  first = jax.lax.ppermute(to_first, config.axis, [(b, a) for a, b in first_perm])
-  second = jax.lax.ppermute(to_second, config.axis, [(b, a) for a, b in second_perm])
+  first = jax.lax.ppermute(to_first, axis, [(b, a) for a, b in first_perm])
+  second = jax.lax.ppermute(to_second, axis, [(b, a) for a, b in second_perm])
   return jnp.concatenate([first, second], axis=seq_dim)
 
 
