@@ -22,10 +22,10 @@ from flash_layers.layers.linen import MultiHeadAttention, MultiHeadDotProductAtt
 from flash_layers.layers.page_allocator import PageAllocator, PagedBatch, PoolExhaustedError  # noqa: E402
 from flash_layers.lowering import interpret_as  # noqa: E402
 from flash_layers.paged_api import PagedExplanation, explain_paged, paged_attention, quantize_kv  # noqa: E402
-from flash_layers.parallel import LOGICAL_RULES, make_mesh  # noqa: E402
+from flash_layers.parallel import LOGICAL_RULES, MeshAxes, make_mesh  # noqa: E402
 from flash_layers.tuning.tuner import autotune  # noqa: E402
 
-__all__ = ["IMPLS", "LOGICAL_RULES", "BlockMask", "BlockSizes", "CpuBlockSizes", "Explanation",
+__all__ = ["IMPLS", "LOGICAL_RULES", "BlockMask", "MeshAxes", "BlockSizes", "CpuBlockSizes", "Explanation",
            "GpuBlockSizes", "MultiHeadAttention", "MultiHeadDotProductAttention", "PageAllocator",
            "PagedBatch", "PagedExplanation", "PoolExhaustedError", "SelfAttention", "UnsupportedError",
            "alibi_slopes", "attention", "attention_fn", "autotune", "block_mask", "dropout_mask", "explain",

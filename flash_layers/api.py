@@ -20,9 +20,12 @@ from flash_layers.auto import AUTO, choose
 from flash_layers.contract import block_info, mods
 from flash_layers.contract.sinks import merge_sinks
 from flash_layers.dispatch import attend
-from flash_layers.impls import REGISTRY, UnsupportedError, registry
+from flash_layers.impls import REGISTRY, registry
 from flash_layers.impls.xla_chunked import chunk_size
+from flash_layers.parallel import mesh as mesh_lib
+from flash_layers.parallel import operands as operands_lib
 from flash_layers.parallel import sharded
+from flash_layers.parallel.context import AUTO_STRATEGY, STRATEGIES
 from flash_layers.tuning import tuner
 from flash_layers.tuning.cache import AUTOTUNE
 
@@ -44,7 +47,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
               mesh: Any = None, sinks: jax.Array | None = None, mask_mod: Callable | None = None,
               score_mod: Callable | None = None, mod_operands: tuple | None = None,
               block_mask: Any = None, q_offset: int | jax.Array = 0,
-              kv_offset: int | jax.Array = 0) -> jax.Array:
+              kv_offset: int | jax.Array = 0, mod_operand_axes: tuple | None = None,
+              context_parallel: str = AUTO_STRATEGY, mesh_axes: Any = None) -> jax.Array:
   """Scaled dot-product attention with one contract for every impl.
 
   Args:
@@ -92,6 +96,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
       in the kernels).
     mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/contract/mods.py).
       Gradients reach the floating-point ones.
+    mod_operand_axes: on a mesh, one entry per mod_operand: None (replicated on every device) or a
+      tuple naming each of its axes "batch", "heads" or None; a "batch" / "heads" axis is split as
+      the batch / heads are, and the mods still index it globally (flash_layers/parallel/operands.py).
     q_offset, kv_offset: int positions of query row 0 and key row 0 in one sequence (default 0):
       query i sits at q_offset + i and key j at kv_offset + j for causal, windows, global tokens,
       ALiBi, dropout's hash and the mods' indices. May be traced (decoding: the KV cache's index,
@@ -114,7 +121,13 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     mesh: a `jax.sharding.Mesh` with axes from ("data", "fsdp", "tensor", "sequence")
       (`flash_layers.make_mesh`); None uses the current mesh (`jax.set_mesh`), if any.
       The call then runs inside `shard_map`: batch over data x fsdp, heads over
-      tensor, ring attention over sequence (`flash_layers.parallel`).
+      tensor, context parallelism over sequence (`flash_layers.parallel`).
+    context_parallel: how a mesh's sequence axis splits the call: "ring", "ulysses", "all_gather",
+      "ulysses_ring" (Ulysses inside groups, a ring across them) or "auto" (the cost model of
+      `flash_layers.parallel.cost` chooses; `explain` says what and why). docs/sharding.md.
+    mesh_axes: which mesh axes split the batch, heads and sequence when the mesh's names are not
+      ours: a `flash_layers.MeshAxes` or {"batch": ..., "heads": ..., "sequence": ...}; None: ours,
+      else what flax's current `logical_axis_rules` map "batch", "heads" and "length" to.
     Arrays may be NumPy or jax arrays (a bias also a Python number), numbers Python, NumPy or
       concrete 0-d jax values: `validate.prepare` converts each once, with identical results.
 
@@ -127,7 +140,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
              block_sizes=block_sizes, global_tokens=global_tokens, dropout_rate=dropout_rate,
              dropout_rng=dropout_rng, dropout_broadcast=dropout_broadcast, alibi_slopes=alibi_slopes,
              bias=bias, precision=precision, sinks=sinks, mask_mod=mask_mod, score_mod=score_mod,
-             mod_operands=mod_operands, block_mask=block_mask, q_offset=q_offset, kv_offset=kv_offset)
+             mod_operands=mod_operands, block_mask=block_mask, q_offset=q_offset, kv_offset=kv_offset,
+             mod_operand_axes=mod_operand_axes, context_parallel=context_parallel, mesh_axes=mesh_axes)
 
 
 def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO, mesh: Any = None,
@@ -141,11 +155,10 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
   validate.check_impl(impl)
   query, key, value = validate.as_qkv(query, key, value)
   sinks = options.pop("sinks", None)
+  sharding = {name: options.pop(name, None) for name in _SHARDING_OPTIONS}
   request, args = validate.prepare(query, key, value, **options)
   sinks = validate.check_sinks(sinks, request.num_heads)
-  mesh = sharded.resolve_mesh(mesh)
-  _check_mods_unsharded(request, mesh)
-  plan = None if mesh is None else sharded.make_plan(request, mesh)
+  plan = _plan(request, args, mesh, **sharding)
   if options.get("block_sizes") == AUTOTUNE:  # tune what each device runs, unless the cache has it
     tuner.ensure_tuned(impl, request if plan is None else plan.local)
   if plan is not None:
@@ -157,11 +170,23 @@ def run(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = AUTO,
   return out
 
 
-def _check_mods_unsharded(request, mesh) -> None:
-  if mesh is not None and request.has_mods:
-    raise UnsupportedError("mask_mod/score_mod on a mesh are not supported yet (their operands and "
-                           "block masks are not split by parallel.sharded); call without mesh= and "
-                           "outside jax.set_mesh, or use the built-in mask arguments")
+_SHARDING_OPTIONS = ("mod_operand_axes", "context_parallel", "mesh_axes")
+
+
+def _plan(request, args, mesh, *, mod_operand_axes=None, context_parallel=None,
+          mesh_axes=None) -> sharded.Plan | None:
+  """How the call splits over the given or current mesh (None: one device); the sharding options
+  are checked with or without a mesh, so a bad one fails on a laptop too."""
+  layouts = operands_lib.check_layouts(mod_operand_axes, args.mod_operands, request.batch, request.num_heads)
+  strategy = AUTO_STRATEGY if context_parallel is None else context_parallel
+  if strategy not in (*STRATEGIES, AUTO_STRATEGY):
+    raise ValueError(f"context_parallel must be one of {(*STRATEGIES, AUTO_STRATEGY)}; got {strategy!r}")
+  mesh = sharded.resolve_mesh(mesh)
+  if mesh is None:
+    return None
+  axes = mesh_lib.resolve_axes(mesh, mesh_axes)
+  return sharded.make_plan(request, mesh, axes=axes, strategy=strategy, operand_layouts=layouts,
+                           operand_shapes=tuple(tuple(x.shape) for x in args.mod_operands))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,12 +241,11 @@ def explain(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str = A
   validate.check_impl(impl)
   query, key, value = validate.as_qkv(query, key, value)
   sinks = kwargs.pop("sinks", None)
+  sharding = {name: kwargs.pop(name, None) for name in _SHARDING_OPTIONS}
   request, args = validate.prepare(query, key, value, **kwargs)
   sinks = validate.check_sinks(sinks, request.num_heads)
   here = lowering.default_platform()
-  mesh = sharded.resolve_mesh(mesh)
-  _check_mods_unsharded(request, mesh)
-  plan = None if mesh is None else sharded.make_plan(request, mesh)
+  plan = _plan(request, args, mesh, **sharding)
   name, reason, local, source = choose(impl, request if plan is None else plan.local, here)
   chosen = REGISTRY[name]
   request = dataclasses.replace(request, block_sizes=local.block_sizes)  # the sizes that run

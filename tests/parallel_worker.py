@@ -80,7 +80,7 @@ def value_and_grads(impl, mesh, kwargs):
   static = {name: x for name, x in kwargs.items() if not hasattr(x, "shape")}
 
   def loss(q, k, v, arrays):
-    out = fl.attention(q, k, v, impl=impl, mesh=mesh, **static, **arrays)
+    out = fl.attention(q, k, v, impl=impl, mesh=mesh, context_parallel="ring", **static, **arrays)
     return jnp.sum(jnp.sin(out) * jnp.arange(out.shape[-1])), out
 
   return jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))
@@ -152,7 +152,7 @@ def check_meshes(impls):
           actual = value_and_grads(impl, mesh, kwargs)(q, k, v, arrays_of(kwargs))
           emit(check="mesh", impl=impl, case=case, mesh=list(shape),
                errors=relative_errors(actual, expected),
-               explain=str(fl.explain(q, k, v, impl=impl, mesh=mesh, **kwargs)))
+               explain=str(fl.explain(q, k, v, impl=impl, mesh=mesh, context_parallel="ring", **kwargs)))
         except Exception as e:  # report, and go on with the other meshes
           emit(check="mesh", impl=impl, case=case, mesh=list(shape), error=f"{type(e).__name__}: {e}")
 
@@ -164,7 +164,7 @@ def check_gpu_kernels(shape=(1, 1, 2, 4)):
     expected = value_and_grads("flash_pallas", None, kwargs)(q, k, v, arrays_of(kwargs))
     mesh = parallel.make_mesh(*shape)
     actual = value_and_grads("flash_pallas", mesh, kwargs)(q, k, v, arrays_of(kwargs))
-    explain = str(fl.explain(q, k, v, impl="flash_pallas", mesh=mesh, **kwargs))
+    explain = str(fl.explain(q, k, v, impl="flash_pallas", mesh=mesh, context_parallel="ring", **kwargs))
   emit(check="gpu", mesh=list(shape), errors=relative_errors(actual, expected), explain=explain)
 
 
@@ -176,7 +176,7 @@ def compile_ring(impl, length, sequence):
   sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "sequence"))
 
   def loss(q, k, v, seg):
-    out = fl.attention(q, k, v, impl=impl, causal=True, segment_ids=seg, mesh=mesh)
+    out = fl.attention(q, k, v, impl=impl, causal=True, segment_ids=seg, mesh=mesh, context_parallel="ring")
     return jnp.sum(out ** 2)
 
   step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), in_shardings=(sharding,) * 4,
@@ -224,7 +224,8 @@ def check_ring_kernels(shape=(2, 1, 1, 4)):
     arrays = arrays_of(kwargs)
 
     def loss(q, k, v, arrays, kwargs=kwargs):
-      out = fl.attention(q, k, v, impl="flash_pallas", mesh=mesh, **{**kwargs, **arrays})
+      out = fl.attention(q, k, v, impl="flash_pallas", mesh=mesh, context_parallel="ring",
+                         **{**kwargs, **arrays})
       return jnp.sum(out ** 2)
 
     with fl.interpret_as("tpu"):

@@ -187,9 +187,9 @@ def test_bad_mods_are_refused_by_name():
     fl.attention(q, k, v, impl="xla_chunked", mask_mod=lambda b, h, i, j: i - j)
   with pytest.raises(TypeError, match="score_mod must return a floating-point array"):
     fl.attention(q, k, v, impl="reference", score_mod=lambda s, b, h, i, j: i > j)
-  mesh = jax.sharding.AbstractMesh((2,), ("data",))  # refused before any device is needed
-  with pytest.raises(fl.UnsupportedError, match="mask_mod/score_mod on a mesh"):
-    fl.attention(q, k, v, mask_mod=fl.masks.causal(), mesh=mesh)
+  # On a mesh the operands' layout is declared by name (tests/test_context_parallel.py runs them).
+  with pytest.raises(ValueError, match=r"mod_operand_axes\[0\] must be None or a tuple"):
+    fl.attention(q, k, v, score_mod=lambda s, *_: s, mod_operands=(np.ones(3),), mod_operand_axes=("batch",))
 
 
 def test_a_relative_bias_table_trains_through_score_mod():

@@ -81,7 +81,7 @@ def test_sharded_equals_unsharded(impl):
     if set(errors) != {"out", "dq", "dk", "dv"} or not all(e <= F32_TOL for e in errors.values()):
       failures.append(f"{case} mesh {mesh}: relative errors {errors} (limit {F32_TOL})")  # NaN too
     if mesh[3] > 1:
-      ring = f"ring attention over sequence={mesh[3]}"
+      ring = f"context parallel over sequence={mesh[3]}: strategy ring"
       layout = "contiguous" if "window" in case else "zig-zag"
       if ring not in result["explain"] or layout not in result["explain"]:
         failures.append(f"{case} mesh {mesh}: explain() says {result['explain']!r}")
@@ -103,7 +103,7 @@ def test_ring_hlo_permutes_and_never_gathers_the_sequence():
 
 def test_ring_with_gpu_kernels_interpreted():
   (result,) = [r for r in _run(["gpu"]) if r["check"] == "gpu"]
-  assert "pallas-gpu (interpret)" in result["explain"] and "ring attention" in result["explain"]
+  assert "pallas-gpu (interpret)" in result["explain"] and "strategy ring" in result["explain"]
   assert all(err <= F32_TOL for err in result["errors"].values()), result
 
 
@@ -267,11 +267,12 @@ def test_kv_heads_each_shard_gets_what_it_reads(heads, kv_heads, tensor, local, 
 
 def test_explain_says_how_the_call_is_sharded():
   q, k, v = _shapes()
-  text = str(fl.explain(q, k, v, impl="reference", causal=True, mesh=_abstract(data=2, tensor=4, sequence=2)))
+  text = str(fl.explain(q, k, v, impl="reference", causal=True, mesh=_abstract(data=2, tensor=4, sequence=2),
+                         context_parallel="ring"))
   for words in ("shard_map", "data=2", "tensor=4", "heads over tensor (2 per shard", "1 of 2 kv heads",
-                "ring attention over sequence=2", "zig-zag"):
+                "context parallel over sequence=2: strategy ring", "zig-zag"):
     assert words in text, text
-  plain = fl.explain(q, k, v, impl="reference", window=3, mesh=_abstract(sequence=4))
+  plain = fl.explain(q, k, v, impl="reference", window=3, mesh=_abstract(sequence=4), context_parallel="ring")
   assert "contiguous" in plain.sharding
   assert fl.explain(q, k, v, impl="reference").sharding is None
   # A mesh of one device (or none current) shards nothing.

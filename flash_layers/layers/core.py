@@ -55,6 +55,9 @@ class AttentionFields:
   block_sizes: Any = None
   rope_theta: float | None = None
   mesh: Any = None
+  context_parallel: str = "auto"
+  mesh_axes: Any = None
+  mod_operand_axes: Any = None
   precision: Any = None
   dropout_rate: float = 0.0
   broadcast_dropout: bool = False
@@ -279,6 +282,8 @@ def probabilities(query, key, value, impl: str, mesh, sinks, options: dict) -> j
   """The probabilities [batch, heads, q_len, kv_len] of `api.run(query, key, value, impl=impl, **options)`."""
   if sharded.resolve_mesh(mesh) is not None:
     raise UnsupportedError("sow_weights on a mesh: the probabilities are not gathered; call without a mesh")
+  sharding = ("context_parallel", "mesh_axes", "mod_operand_axes")  # no mesh here: nothing to split
+  options = {k: v for k, v in options.items() if k not in sharding}
   request, args = validate.prepare(query, key, value, **options)
   name = auto.choose(impl, request, lowering.default_platform())[0]
   if not registry.impl_has(name, "sow_weights"):
@@ -321,6 +326,8 @@ def attend_heads(fields: AttentionFields, query, key, value, segment_ids, kv_seg
   q_offset / kv_offset: positions of the first query and key (a decoding call's cache index);
   `mask`: flax's boolean mask, broadcastable to [batch, heads, q_len, kv_len] (True: attend)."""
   return api.run(query, key, value, impl=fields.impl, mesh=fields.mesh, sinks=sinks,
+                 context_parallel=fields.context_parallel, mesh_axes=fields.mesh_axes,
+                 mod_operand_axes=fields.mod_operand_axes,
                  **_options(fields, segment_ids, kv_segment_ids, dropout_rng, mod_operands, block_mask,
                             q_offset, kv_offset, mask))
 

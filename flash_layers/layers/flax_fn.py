@@ -20,7 +20,7 @@ from flash_layers.impls import UnsupportedError
 from flash_layers.layers import core
 
 _FIXED_KWARGS = ("causal", "window", "scale", "softcap", "block_sizes", "mesh", "mask_mod", "score_mod",
-                 "mod_operands")
+                 "mod_operands", "mod_operand_axes", "context_parallel", "mesh_axes")
 # Keywords flax passes that change nothing here: our softmax is always float32 and
 # dtype promotion is done below.
 _HARMLESS_EXTRA = ("promote_dtype", "force_fp32_for_softmax")
@@ -45,7 +45,9 @@ def attention_fn(impl: str = auto.AUTO, **fixed_kwargs: Any) -> Callable[..., ja
     impl: one of `fl.IMPLS` or "auto".
     **fixed_kwargs: `fl.attention` options applied to every call: causal, window,
       scale, softcap, block_sizes, mesh, mask_mod, score_mod, mod_operands (the mods' `b` is
-      the index in the batch dims flattened to one).
+      the index in the batch dims flattened to one), mod_operand_axes, context_parallel and
+      mesh_axes (a mesh with the model's own axis names, e.g. ("batch", "model"), maps through
+      them or through flax's current logical_axis_rules).
 
   Each call runs `fl.attention`'s own path (`api.run`), mesh included: with `mesh=`
   fixed here or a current mesh (`jax.set_mesh`), the call runs inside `shard_map`,

@@ -47,7 +47,9 @@ class MultiHeadAttention(hk.Module):
                kernel_init: Callable | None = None, bias_init: Callable | None = None,
                precision: Any = None, dropout_rate: float = 0.0, alibi: Any = False,
                use_sinks: bool = False, sinks_init: Callable | None = None,
-               mask_mod: Callable | None = None, score_mod: Callable | None = None, name: str | None = None):
+               mask_mod: Callable | None = None, score_mod: Callable | None = None,
+               context_parallel: str = "auto", mesh_axes: Any = None, mod_operand_axes: Any = None,
+               name: str | None = None):
     super().__init__(name=name)
     self.num_heads = num_heads
     self.num_kv_heads = num_kv_heads
@@ -73,12 +75,15 @@ class MultiHeadAttention(hk.Module):
     self.use_sinks = use_sinks
     self.sinks_init = sinks_init or jnp.zeros
     self.mask_mod, self.score_mod = mask_mod, score_mod
+    self.context_parallel, self.mesh_axes = context_parallel, mesh_axes
+    self.mod_operand_axes = mod_operand_axes
     # Haiku has no mesh, qkv_features, deterministic or decode fields: AttentionFields' defaults stand in.
     self.fields = core.AttentionFields(
         num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim, head_dim_v=head_dim_v,
         out_features=out_features, impl=impl, causal=causal, window=window, global_tokens=global_tokens,
         softcap=softcap, scale=scale, block_sizes=block_sizes, rope_theta=rope_theta, precision=precision,
-        dropout_rate=dropout_rate, alibi=alibi, use_sinks=use_sinks, mask_mod=mask_mod, score_mod=score_mod)
+        dropout_rate=dropout_rate, alibi=alibi, use_sinks=use_sinks, mask_mod=mask_mod, score_mod=score_mod,
+        context_parallel=context_parallel, mesh_axes=mesh_axes, mod_operand_axes=mod_operand_axes)
     core.check_fields(self.fields)
 
   def __call__(self, inputs_q: jax.Array, inputs_kv: jax.Array | None = None, *,

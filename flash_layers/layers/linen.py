@@ -97,6 +97,9 @@ class MultiHeadAttention(nn.Module):
       the projected queries and keys before attention; None (default) for none.
     mesh: as in `fl.attention`: a mesh (`fl.parallel.make_mesh`) to shard the
       attention over; None shards over the current mesh (`jax.set_mesh`), if any.
+    context_parallel, mesh_axes, mod_operand_axes: as in `fl.attention`: the strategy over the
+      mesh's sequence axis ("auto", "ring", "ulysses", "all_gather", "ulysses_ring"), the mesh axes
+      of a mesh with other names, the layout of the call's mod_operands.
     dtype: computation dtype (None: from inputs and params); param_dtype: of the params.
     use_bias, kernel_init, bias_init: of the projections, as in `nn.DenseGeneral`.
     precision: of every matmul, the projections' and the attention's (as the one `precision`
@@ -152,6 +155,9 @@ class MultiHeadAttention(nn.Module):
   block_sizes: Any = None
   rope_theta: float | None = None
   mesh: Any = None
+  context_parallel: str = "auto"
+  mesh_axes: Any = None
+  mod_operand_axes: Any = None
   dtype: Any = None
   param_dtype: Any = jnp.float32
   use_bias: bool = True

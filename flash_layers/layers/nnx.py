@@ -70,7 +70,8 @@ class MultiHeadAttention(nnx.Module):
                head_dim_v: int | None = None, impl: str = auto.AUTO, causal: bool = False,
                window: int | tuple[int, int] | None = None, global_tokens: int = 0,
                softcap: float | None = None, scale: float | None = None, block_sizes: Any = None,
-               rope_theta: float | None = None, mesh: Any = None,
+               rope_theta: float | None = None, mesh: Any = None, context_parallel: str = "auto",
+               mesh_axes: Any = None, mod_operand_axes: Any = None,
                dtype: Any = None, param_dtype: Any = jnp.float32, use_bias: bool = True,
                kernel_init: Callable = _KERNEL_INIT,
                bias_init: Callable = _BIAS_INIT, precision: Any = None,
@@ -96,6 +97,8 @@ class MultiHeadAttention(nnx.Module):
     self.block_sizes = block_sizes
     self.rope_theta = rope_theta
     self.mesh = mesh
+    self.context_parallel, self.mesh_axes = context_parallel, mesh_axes
+    self.mod_operand_axes = mod_operand_axes
     self.dropout_rate = dropout_rate
     self.alibi = alibi
     self.deterministic = deterministic

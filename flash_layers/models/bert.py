@@ -104,6 +104,7 @@ class Block(nn.Module):
   num_heads: int
   mlp_dim: int
   impl: str
+  context_parallel: str
   dropout_rate: float
   attention_dropout_rate: float
   layer_norm_eps: float
@@ -127,6 +128,7 @@ class Block(nn.Module):
   def __call__(self, x, segment_ids, deterministic: bool):
     hidden = x.shape[-1]
     attn = MultiHeadAttention(num_heads=self.num_heads, impl=self.impl, dtype=self.dtype,
+                              context_parallel=self.context_parallel,
                               param_dtype=self.param_dtype, use_bias=True,
                               dropout_rate=self.attention_dropout_rate,
                               kernel_init=nn.initializers.normal(self.initializer_range),
@@ -205,6 +207,7 @@ class Bert(Encoder):
     pooling: "cls" ([CLS] token of each document through BERT's tanh pooler) or "mean" (mean of
       each document's hidden states, as sentence-transformers).
     impl: attention implementation of every layer: "auto" or one of `fl.IMPLS`.
+    context_parallel: every layer's strategy over a mesh's sequence axis (`fl.attention`'s).
     dropout_rate: hidden dropout (BERT's hidden_dropout_prob); active when deterministic=False.
     attention_dropout_rate: attention-probability dropout (BERT's attention_probs_dropout_prob;
       `from_pretrained` sets the checkpoint's); active when deterministic=False. xla_native does
@@ -233,6 +236,7 @@ class Bert(Encoder):
   num_labels: int | None = None
   pooling: str = "cls"
   impl: str = "auto"
+  context_parallel: str = "auto"
   dropout_rate: float = 0.1
   attention_dropout_rate: float = 0.0
   dtype: Any = jnp.float32
@@ -291,6 +295,7 @@ class Bert(Encoder):
       # Argument 3 (counting self) is `deterministic`, a Python bool.
       block = nn.remat(Block, policy=REMAT_POLICIES[self.remat_policy], static_argnums=(3,))
     self.layers = [block(num_heads=self.num_heads, mlp_dim=self.mlp_dim, impl=self.impl,
+                         context_parallel=self.context_parallel,
                          dropout_rate=self.dropout_rate,
                          attention_dropout_rate=self.attention_dropout_rate,
                          layer_norm_eps=self.layer_norm_eps,

@@ -73,6 +73,7 @@ class Block(nn.Module):
   window: int | None
   rope_theta: float
   impl: str
+  context_parallel: str
   norm_eps: float
   norm_bias: bool
   attention_bias: bool
@@ -99,6 +100,7 @@ class Block(nn.Module):
     y = x if self.first else self._norm("attention_norm")(x)
     attn = MultiHeadAttention(
         num_heads=self.num_heads, impl=self.impl, window=self.window, rope_theta=self.rope_theta,
+        context_parallel=self.context_parallel,
         dtype=self.dtype, param_dtype=self.param_dtype, use_bias=self.attention_bias,
         kernel_init=nn.initializers.truncated_normal(self.init_std, lower=-self.cutoff, upper=self.cutoff),
         name="attention")
@@ -129,7 +131,7 @@ class ModernBert(Encoder):
       positions extrapolate).
     num_labels: classes of the classification head; None for no head.
     pooling: "cls" (each document's first token) or "mean", then the prediction head.
-    impl, dropout_rate, dtype, param_dtype, remat, remat_policy, mlm_head: as `Bert`.
+    impl, context_parallel, dropout_rate, dtype, param_dtype, remat, remat_policy, mlm_head: as `Bert`.
   """
 
   vocab_size: int
@@ -156,6 +158,7 @@ class ModernBert(Encoder):
   num_labels: int | None = None
   pooling: str = "cls"
   impl: str = "auto"
+  context_parallel: str = "auto"
   dropout_rate: float = 0.0
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
@@ -216,6 +219,7 @@ class ModernBert(Encoder):
           num_heads=self.num_heads, mlp_dim=self.mlp_dim, first=i == 0,
           window=self.local_attention // 2 if local else None,
           rope_theta=self.local_rope_theta if local else self.global_rope_theta, impl=self.impl,
+          context_parallel=self.context_parallel,
           norm_eps=self.norm_eps, norm_bias=self.norm_bias, attention_bias=self.attention_bias,
           mlp_bias=self.mlp_bias, activation=self.activation, dropout_rate=self.dropout_rate,
           init_std=std, out_std=out_std, cutoff=cutoff, dtype=self.dtype, param_dtype=self.param_dtype))

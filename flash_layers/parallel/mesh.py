@@ -16,6 +16,7 @@ and sequence stay inside one.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 
@@ -229,3 +230,111 @@ def axis_sizes(mesh) -> dict[str, int]:
   manual = manual_axes(mesh)
   shape = dict(mesh.shape)
   return {a: (1 if a in manual else int(shape.get(a, 1))) for a in AXES}
+
+
+# ----------------------------------------------------------------------------
+# Which mesh axes carry an attention call's batch, heads and sequence
+# ----------------------------------------------------------------------------
+
+# Logical names (flax.linen.logical_axis_rules) that mean an activation's batch, heads or sequence
+# axis: ours (LOGICAL_RULES) and MaxText's activation names.
+_LOGICAL_NAMES: dict[str, tuple[str, ...]] = {
+    "batch": ("batch", "activation_batch"),
+    "heads": ("heads", "activation_heads"),
+    "sequence": ("length", "activation_length", "sequence"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshAxes:
+  """The mesh axes an attention call is split over: batch rows over `batch` (several axes: their
+  product), query heads over `heads`, the sequence over `sequence` (context parallelism).
+
+  The default is this package's own names; a mesh with the user's own names (a flax model's
+  ("batch", "model"), MaxText's) is mapped by `attention(..., mesh_axes=MeshAxes(...))` or a dict
+  {"batch": ..., "heads": ..., "sequence": ...}, or read from flax's current logical axis rules.
+  """
+
+  batch: tuple[str, ...] = BATCH_AXES
+  heads: str | None = "tensor"
+  sequence: str | None = "sequence"
+
+  def sizes(self, mesh) -> tuple[dict[str, int], int, int]:
+    """({batch axis: size}, heads size, sequence size) on `mesh` (absent or manual axes: 1)."""
+    manual = manual_axes(mesh)
+    shape = dict(mesh.shape)
+
+    def size(a):
+      return 1 if a is None or a in manual else int(shape.get(a, 1))
+    return {a: size(a) for a in self.batch}, size(self.heads), size(self.sequence)
+
+
+def _as_axes(value, field: str) -> tuple[str, ...]:
+  if value is None:
+    return ()
+  value = (value,) if isinstance(value, str) else tuple(value)
+  if not all(isinstance(a, str) for a in value):
+    raise TypeError(f"mesh_axes {field} must be a mesh axis name, a tuple of them, or None; got {value!r}")
+  return value
+
+
+def _single(value, field: str) -> str | None:
+  axes = _as_axes(value, field)
+  if len(axes) > 1:
+    raise ValueError(f"mesh_axes {field} takes one mesh axis (or None); got {axes}")
+  return axes[0] if axes else None
+
+
+def resolve_axes(mesh, mesh_axes=None) -> MeshAxes:
+  """The `MeshAxes` of a call on `mesh`: `mesh_axes` if given (a MeshAxes or a dict with keys
+  batch / heads / sequence), else ours when the mesh has any of our axis names, else the mapping
+  flax's current logical axis rules give ("batch", "heads", "length" or MaxText's "activation_*");
+  ValueError naming the mesh's axes otherwise."""
+  names = tuple(mesh.axis_names)
+  if mesh_axes is None and any(a in names for a in AXES):
+    return MeshAxes()
+  if mesh_axes is None:
+    mesh_axes = _from_logical_rules()
+    if mesh_axes is None:
+      raise ValueError(f"the mesh's axes {names} are none of flash_layers' ({', '.join(AXES)}), and no flax "
+                       "logical_axis_rules map 'batch' / 'heads' / 'length' onto them: pass "
+                       "mesh_axes=fl.MeshAxes(batch=..., heads=..., sequence=...) (or a dict) naming "
+                       "which of the mesh's axes split the batch, the heads and the sequence")
+  if isinstance(mesh_axes, dict):
+    unknown = sorted(set(mesh_axes) - {"batch", "heads", "sequence"})
+    if unknown:
+      raise ValueError(f"mesh_axes keys must be among 'batch', 'heads', 'sequence'; got {unknown}")
+    mesh_axes = MeshAxes(batch=_as_axes(mesh_axes.get("batch"), "batch"),
+                         heads=_single(mesh_axes.get("heads"), "heads"),
+                         sequence=_single(mesh_axes.get("sequence"), "sequence"))
+  if not isinstance(mesh_axes, MeshAxes):
+    raise TypeError("mesh_axes must be a flash_layers.MeshAxes, a dict or None; "
+                    f"got {type(mesh_axes).__name__}")
+  used = [*mesh_axes.batch, mesh_axes.heads, mesh_axes.sequence]
+  missing = [a for a in used if a is not None and a not in names]
+  if missing:
+    raise ValueError(f"mesh_axes names {missing}, which the mesh (axes {names}) does not have")
+  given = [a for a in used if a is not None]
+  if len(set(given)) != len(given):
+    raise ValueError(f"mesh_axes uses a mesh axis twice: {mesh_axes}")
+  return mesh_axes
+
+
+def _from_logical_rules() -> MeshAxes | None:
+  """The MeshAxes flax's current `logical_axis_rules` imply, or None when they map none of ours."""
+  try:
+    from flax.linen import partitioning
+    rules = dict(partitioning.get_axis_rules())
+  except Exception:  # noqa: BLE001 -- no flax rules in force
+    return None
+  found: dict[str, tuple[str, ...]] = {}
+  for role, logical in _LOGICAL_NAMES.items():
+    for name in logical:
+      if rules.get(name) is not None:
+        found[role] = _as_axes(rules[name], role)
+        break
+  if not found:
+    return None
+  heads, sequence = found.get("heads", ()), found.get("sequence", ())
+  return MeshAxes(batch=found.get("batch", ()), heads=heads[0] if heads else None,
+                  sequence=sequence[0] if sequence else None)

@@ -27,8 +27,13 @@ from jax.sharding import PartitionSpec as P
 
 from flash_layers import auto, dispatch, lowering
 from flash_layers.impls import Args, Request, UnsupportedError
+from flash_layers.parallel import context, ring
 from flash_layers.parallel import mesh as mesh_lib
-from flash_layers.parallel import ring
+from flash_layers.parallel import operands as operands_lib
+from flash_layers.parallel.context import AUTO_STRATEGY
+
+# The strategies besides the ring (which sharded_attend calls with its own RingConfig), by name.
+STRATEGY_MODULES: dict[str, Any] = {"ring": ring}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,12 +41,18 @@ class Plan:
   """How one attention call is split over a mesh."""
 
   mesh: Any  # jax.sharding.Mesh or AbstractMesh
-  batch_axes: tuple[str, ...]  # mesh axes the batch is split over
+  axes: mesh_lib.MeshAxes  # the mesh axes of the batch, the heads and the sequence
+  batch_axes: tuple[str, ...]  # mesh axes the batch is split over (the used ones of axes.batch)
   tensor: int  # shards of the heads
-  sequence: int  # devices in the ring (1: no ring)
-  chunks: int  # chunks per ring device: 1 contiguous, 2 zig-zag
+  sequence: int  # devices on the sequence axis (1: no context parallelism)
+  strategy: str | None  # the context-parallel strategy (parallel/context.py); None when sequence == 1
+  group: int  # ulysses_ring: devices per Ulysses group
+  chunks: int  # ring: chunks per device: 1 contiguous, 2 zig-zag
   kv_gather: tuple[int, ...] | None  # kv head per (tensor shard, local kv head); None: plain split
-  local: Request  # the request of each local impl call (one chunk pair for the ring)
+  block: Request  # this device's batch rows and heads with the *global* lengths (what a strategy splits)
+  local: Request  # the request of each local impl call
+  reason: str = ""  # why this strategy (auto's cost model, or "asked for")
+  operand_layouts: tuple = ()  # mod_operand_axes, one entry per operand (parallel/operands.py)
 
   @property
   def axis_names(self) -> frozenset[str]:
@@ -50,20 +61,28 @@ class Plan:
     return frozenset(self.mesh.axis_names) - mesh_lib.manual_axes(self.mesh)
 
   def describe(self, request: Request) -> str:
-    sizes = mesh_lib.axis_sizes(self.mesh)
     parts = [f"batch over {'x'.join(self.batch_axes)} ({request.batch // self.local.batch} shards)"
              if self.batch_axes else "batch whole"]
     if self.tensor > 1:
-      kv = (f"kv heads split {request.num_kv_heads}->{self.local.num_kv_heads}"
+      kv = (f"kv heads split {request.num_kv_heads}->{self.block.num_kv_heads}"
             if self.kv_gather is None else
-            f"{self.local.num_kv_heads} of {request.num_kv_heads} kv heads gathered per shard")
-      parts.append(f"heads over tensor ({self.local.num_heads} per shard; {kv})")
+            f"{self.block.num_kv_heads} of {request.num_kv_heads} kv heads gathered per shard")
+      parts.append(f"heads over {self.axes.heads} ({self.block.num_heads} per shard; {kv})")
     if self.sequence > 1:
-      layout = "zig-zag, 2 chunks" if self.chunks == 2 else "contiguous, 1 chunk"
-      parts.append(f"ring attention over sequence={self.sequence} ({layout} of "
-                   f"{self.local.q_len} queries per device, collective-permute of K/V)")
-    mesh_text = ", ".join(f"{a}={s}" for a, s in sizes.items() if s > 1)
+      parts.append(f"context parallel over {self.axes.sequence}={self.sequence}: {self._strategy_text()}"
+                   + (f" ({self.reason})" if self.reason else ""))
+    shape = dict(self.mesh.shape)
+    mesh_text = ", ".join(f"{a}={s}" for a, s in shape.items() if s > 1)
     return f"shard_map on mesh ({mesh_text}): " + "; ".join(parts)
+
+  def _strategy_text(self) -> str:
+    if self.strategy == "ring":
+      layout = "zig-zag, 2 chunks" if self.chunks == 2 else "contiguous, 1 chunk"
+      return (f"strategy ring ({layout} of {self.local.q_len} queries per device, collective-permute "
+              "of K/V)")
+    if self.strategy == "ulysses_ring":
+      return f"strategy ulysses_ring (Ulysses in groups of {self.group}, a ring across the groups)"
+    return f"strategy {self.strategy}"
 
 
 def resolve_mesh(mesh) -> Any | None:
@@ -75,7 +94,7 @@ def resolve_mesh(mesh) -> Any | None:
   if not hasattr(mesh, "axis_names") or not hasattr(mesh, "shape"):
     raise TypeError("mesh must be a jax.sharding.Mesh (see flash_layers.make_mesh); "
                     f"got {type(mesh).__name__}")
-  if math.prod(mesh_lib.axis_sizes(mesh).values()) == 1:
+  if math.prod(int(s) for a, s in dict(mesh.shape).items() if a not in mesh_lib.manual_axes(mesh)) == 1:
     return None
   return mesh
 
@@ -94,30 +113,70 @@ def _kv_heads_plan(num_heads: int, num_kv_heads: int, tensor: int):
   return local, index
 
 
-def make_plan(request: Request, mesh) -> Plan:
-  """Check that `request` splits evenly over `mesh`; raises ValueError naming the dimension."""
-  sizes = mesh_lib.axis_sizes(mesh)
-  batch_axes = tuple(a for a in mesh_lib.BATCH_AXES if sizes[a] > 1)
-  batch_shards = math.prod(sizes[a] for a in batch_axes)
-  tensor, sequence = sizes["tensor"], sizes["sequence"]
-  checks = (("batch", request.batch, batch_shards, "data x fsdp"),
-            ("num_heads", request.num_heads, tensor, "tensor"),
-            ("q_len", request.q_len, sequence, "sequence"),
-            ("kv_len", request.kv_len, sequence, "sequence"))
-  for name, value, shards, axes in checks:
+def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
+              strategy: str = AUTO_STRATEGY, group: int | None = None, operand_layouts: tuple = (),
+              operand_shapes: tuple = ()) -> Plan:
+  """Check that `request` splits evenly over `mesh`; raises ValueError naming the dimension, or
+  UnsupportedError naming the strategy that cannot serve it."""
+  axes = mesh_lib.resolve_axes(mesh) if axes is None else axes
+  batch_sizes, tensor, sequence = axes.sizes(mesh)
+  batch_axes = tuple(a for a, size in batch_sizes.items() if size > 1)
+  batch_shards = math.prod(batch_sizes[a] for a in batch_axes)
+  checks = (("batch", request.batch, batch_shards, " x ".join(axes.batch) or "batch"),
+            ("num_heads", request.num_heads, tensor, axes.heads),
+            ("q_len", request.q_len, sequence, axes.sequence),
+            ("kv_len", request.kv_len, sequence, axes.sequence))
+  for name, value, shards, axis in checks:
     if value % shards:
-      raise ValueError(f"{name}={value} must be divisible by the mesh's {axes} size ({shards}) "
+      raise ValueError(f"{name}={value} must be divisible by the mesh's {axis} size ({shards}) "
                        f"to shard attention over mesh {dict(mesh.shape)}")
+  operands_lib.check_divides(operand_layouts, operand_shapes, {"batch": batch_shards, "heads": tensor})
   local_kv_heads, kv_gather = _kv_heads_plan(request.num_heads, request.num_kv_heads, tensor)
-  # Zig-zag balances causal work; windows are local already and keep the contiguous layout.
-  zigzag = (sequence > 1 and request.spec.causal and request.spec.window is None
-            and request.q_len % (2 * sequence) == 0 and request.kv_len % (2 * sequence) == 0)
-  chunks = 2 if zigzag else 1
-  local = dataclasses.replace(
+  block = dataclasses.replace(
       request, batch=request.batch // batch_shards, num_heads=request.num_heads // tensor,
-      num_kv_heads=local_kv_heads, q_len=request.q_len // (sequence * chunks),
-      kv_len=request.kv_len // (sequence * chunks))
-  return Plan(mesh, batch_axes, tensor, sequence, chunks, kv_gather, local)
+      num_kv_heads=local_kv_heads)
+  plan = dict(mesh=mesh, axes=axes, batch_axes=batch_axes, tensor=tensor, sequence=sequence,
+              kv_gather=kv_gather, operand_layouts=operand_layouts)
+  if sequence == 1:
+    return Plan(**plan, strategy=None, group=1, chunks=1, block=block, local=block)
+  # A block mask's tile flags are for the whole sequence: each shard builds its own from the mask_mod.
+  block = dataclasses.replace(block, block_mask_tiles=None)
+  strategy, group, reason = _choose_strategy(block, sequence, strategy, group)
+  if strategy == "ring":
+    # Zig-zag balances causal work; windows are local already and keep the contiguous layout.
+    zigzag = (block.spec.causal and block.spec.window is None
+              and block.q_len % (2 * sequence) == 0 and block.kv_len % (2 * sequence) == 0)
+    chunks = 2 if zigzag else 1
+    local = dataclasses.replace(block, q_len=block.q_len // (sequence * chunks),
+                                kv_len=block.kv_len // (sequence * chunks))
+    return Plan(**plan, strategy=strategy, group=1, chunks=chunks, block=block, local=local, reason=reason)
+  local = STRATEGY_MODULES[strategy].local_request(block, sequence, group)
+  return Plan(**plan, strategy=strategy, group=group, chunks=1, block=block, local=local, reason=reason)
+
+
+def _choose_strategy(block: Request, size: int, strategy: str, group: int | None):
+  """(strategy, group, reason): the asked-for strategy if it serves the call (else UnsupportedError
+  naming it), or auto's choice."""
+  if strategy not in (*context.STRATEGIES, AUTO_STRATEGY):
+    raise ValueError(f"context_parallel must be one of {(*context.STRATEGIES, AUTO_STRATEGY)}; "
+                     f"got {strategy!r}")
+  if strategy == AUTO_STRATEGY:
+    return "ring", 1, "auto: the ring"
+  group = 1 if strategy != "ulysses_ring" else (group or _default_group(block, size))
+  module = STRATEGY_MODULES.get(strategy)
+  why = None if module is None or strategy == "ring" else module.refusal(block, size, group)
+  if why is not None:
+    raise UnsupportedError(f"context_parallel={strategy!r} cannot serve this call: {why}")
+  return strategy, group, "asked for"
+
+
+def _default_group(block: Request, size: int) -> int:
+  """ulysses_ring's group when none is given: the largest proper divisor of the sequence size that
+  also divides the heads (Ulysses inside, as wide as the heads allow)."""
+  for g in range(size - 1, 1, -1):
+    if size % g == 0 and block.num_heads % g == 0:
+      return g
+  return 1
 
 
 def _shard_map(f, plan: Plan, in_specs, out_specs):
@@ -133,25 +192,16 @@ def _shard_map(f, plan: Plan, in_specs, out_specs):
 def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args, plan: Plan):
   """`dispatch.attend`, split over `plan.mesh`; returns the global (out, lse)."""
   auto.resolve(impl, plan.local, lowering.default_platform())  # an explicit impl refuses here
-  if args.bias is not None and plan.sequence > 1:
-    raise UnsupportedError("dense bias with a sequence-sharded (ring) mesh: the bias would travel "
-                           "with K/V; use alibi_slopes, or a mesh with sequence=1")
-  if args.dense_mask is not None and plan.sequence > 1:
-    raise UnsupportedError("dense mask with a sequence-sharded (ring) mesh: the mask would travel "
-                           "with K/V; use causal/window/segment ids (fl.MultiHeadAttention), or a "
-                           "mesh with sequence=1")
+  _check_sequence_split(plan, args)
   offsets = {name: x for name, x in (("q_offset", args.q_offset), ("kv_offset", args.kv_offset))
              if not (isinstance(x, int) and x == 0)}
-  if offsets and plan.sequence > 1:
-    raise UnsupportedError(f"{' and '.join(offsets)} with a sequence-sharded (ring) mesh: the ring sets "
-                           "each block's positions itself; use a mesh with sequence=1")
   static_offsets = {name: x for name, x in offsets.items() if isinstance(x, int)}
   if plan.kv_gather is not None:
     index = jnp.asarray(plan.kv_gather, jnp.int32)
     key, value = jnp.take(key, index, axis=2), jnp.take(value, index, axis=2)
   batch = plan.batch_axes or None
-  tensor = "tensor" if plan.tensor > 1 else None
-  sequence = "sequence" if plan.sequence > 1 else None
+  tensor = plan.axes.heads if plan.tensor > 1 else None
+  sequence = plan.axes.sequence if plan.sequence > 1 else None
   heads_spec = P(batch, sequence, tensor, None)
   seg_spec = P(batch, sequence)
   has_segments = args.q_segment_ids is not None
@@ -164,33 +214,68 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
     if name in extras:
       shape = extras[name].shape
       extra_specs[name] = P(batch if shape[0] > 1 else None, tensor if shape[1] > 1 else None, None, None)
+  layouts = plan.operand_layouts or (None,) * len(args.mod_operands)
+  operand_specs = tuple(P(*operands_lib.spec(layout, batch, tensor)) for layout in layouts)
+  operand_shapes = tuple(tuple(x.shape) for x in args.mod_operands)
+  # A prebuilt block mask's flags [b|1, nq, nk] follow the batch; with a sequence split each shard
+  # builds its own (make_plan dropped the tiles from the request).
+  tiles = args.mod_tiles if plan.sequence == 1 else None
+  tile_specs = () if tiles is None else tuple(P(batch if t.shape[0] > 1 else None, None, None) for t in tiles)
 
   def local_call(q, k, v, *rest):
-    q_seg, kv_seg = rest[:2] if has_segments else (None, None)
-    local = dict(zip(extras, rest[2 if has_segments else 0:], strict=True))
+    rest = list(rest)
+    q_seg, kv_seg = (rest.pop(0), rest.pop(0)) if has_segments else (None, None)
+    local = {name: rest.pop(0) for name in extras}
+    ops = tuple(rest.pop(0) for _ in operand_specs)
+    local_tiles = tuple(rest.pop(0) for _ in tile_specs) or None
     batch_offset = head_offset = 0
     if plan.batch_axes:
-      batch_offset = jax.lax.axis_index(plan.batch_axes) * plan.local.batch
+      batch_offset = jax.lax.axis_index(plan.batch_axes) * plan.block.batch
     if plan.tensor > 1:
-      head_offset = jax.lax.axis_index("tensor") * plan.local.num_heads
+      head_offset = jax.lax.axis_index(plan.axes.heads) * plan.block.num_heads
+    ops = operands_lib.embed(ops, layouts, operand_shapes, batch_offset, head_offset)
     local_args = Args(q_segment_ids=q_seg, kv_segment_ids=kv_seg, batch_offset=batch_offset,
-                      head_offset=head_offset, **static_offsets, **local)
+                      head_offset=head_offset, mod_operands=ops, mod_tiles=local_tiles,
+                      **static_offsets, **local)
     if plan.sequence == 1:
       return dispatch.attend(q, k, v, impl=impl, request=plan.local, args=local_args)
-    config = ring.RingConfig(impl=impl, request=plan.local, axis="sequence", size=plan.sequence,
-                             chunks=plan.chunks)
-    return ring.ring_attention(q, k, v, q_seg, kv_seg, config, local_args)
+    if plan.strategy == "ring":
+      config = ring.RingConfig(impl=impl, request=plan.local, axis=plan.axes.sequence, size=plan.sequence,
+                               chunks=plan.chunks)
+      return ring.ring_attention(q, k, v, q_seg, kv_seg, config, local_args)
+    config = context.CPConfig(impl=impl, request=plan.block, axis=plan.axes.sequence, size=plan.sequence,
+                              group=plan.group)
+    return STRATEGY_MODULES[plan.strategy].attention(q, k, v, q_seg, kv_seg, config, local_args)
 
   operands = (query, key, value)
   in_specs = (heads_spec,) * 3
   if has_segments:
     operands += (args.q_segment_ids, args.kv_segment_ids)
     in_specs += (seg_spec, seg_spec)
-  operands += tuple(extras.values())
-  in_specs += tuple(extra_specs[name] for name in extras)
+  operands += (*extras.values(), *args.mod_operands, *(tiles or ()))
+  in_specs += (*(extra_specs[name] for name in extras), *operand_specs, *tile_specs)
   out_specs = (heads_spec, P(batch, tensor, sequence))
   operands = _match_explicit_axes(plan, operands, in_specs)
   return _shard_map(local_call, plan, in_specs, out_specs)(*operands)
+
+
+def _check_sequence_split(plan: Plan, args: Args) -> None:
+  """What no context-parallel strategy serves: arrays over (q, kv) and fixed offsets."""
+  if plan.sequence == 1:
+    return
+  where = (f"a sequence-sharded mesh ({plan.axes.sequence}={plan.sequence}, "
+           f"context_parallel={plan.strategy!r})")
+  if args.bias is not None:
+    raise UnsupportedError(f"dense bias with {where}: the bias would travel with K/V; use alibi_slopes or a "
+                           "score_mod, or a mesh without a sequence axis")
+  if args.dense_mask is not None:
+    raise UnsupportedError(f"dense mask with {where}: the mask would travel with K/V; use causal/window/"
+                           "segment ids or a mask_mod, or a mesh without a sequence axis")
+  offsets = [name for name, x in (("q_offset", args.q_offset), ("kv_offset", args.kv_offset))
+             if not (isinstance(x, int) and x == 0)]
+  if offsets:
+    raise UnsupportedError(f"{' and '.join(offsets)} with {where}: the strategy sets each block's positions "
+                           "itself; use a mesh without a sequence axis")
 
 
 def _match_explicit_axes(plan: Plan, operands, in_specs):

@@ -16,6 +16,7 @@ from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.errors import UserError
 from flash_layers.impls import IMPLS, registry
+from flash_layers.parallel.context import AUTO_STRATEGY, STRATEGIES
 from flash_layers.parallel.mesh import AXES, resolve_mesh_sizes, slice_count
 from flash_layers.training import compile_cache
 
@@ -33,6 +34,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
   # ("flash_pallas", "xla_native", "xla_chunked", "xla_dense", "reference", "jax_splash").
   m.impl = "auto"
+  # How attention splits a mesh's sequence axis (mesh.sequence > 1): "auto" (a cost model chooses,
+  # per layer shape: flash_layers.parallel.cost), "ring", "ulysses", "all_gather" or "ulysses_ring".
+  m.context_parallel = "auto"
   # Tokens per row. Beyond the checkpoint's position table (512 for BERT) the
   # learned positions are extended (see position_extension), up to
   # max_position_extension times the table.
@@ -237,6 +241,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 def _validate_model(config: ml_collections.ConfigDict) -> None:
   m = config.model
   _choice(m.impl, "model.impl", ("auto", *IMPLS))
+  _choice(m.context_parallel, "model.context_parallel", (AUTO_STRATEGY, *STRATEGIES))
   _positive_int(config, "model.max_len")
   _choice(m.pooling, "model.pooling", models.POOLINGS)
   _choice(m.dtype, "model.dtype", tuple(models.DTYPES))

@@ -159,8 +159,8 @@ def sample_documents(records, max_batches: int | None, global_batch: int) -> lis
 def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: int | None):
   """(model, pretrained params as host numpy arrays, or None when training from scratch)."""
   m = config.model
-  common = dict(impl=m.impl, pooling=m.pooling, dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype],
-                remat=m.remat)
+  common = dict(impl=m.impl, context_parallel=m.context_parallel, pooling=m.pooling,
+                dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype], remat=m.remat)
   if m.attention_window is not None:  # only BERT/RoBERTa take these (ModernBERT: its config's window)
     common.update(attention_window=m.attention_window, global_tokens=m.global_tokens)
   # The resolved rate goes to every model that has the field, 0.0 included (0.0 means off, not "the

@@ -1,0 +1,165 @@
+"""Every feature of the contract on every mesh, with every context-parallel strategy.
+
+Eight simulated CPU devices in subprocesses (tests/cp_worker.py): for each strategy x mesh
+{data, data x tensor, sequence, data x sequence, tensor x sequence} x request {causal, packed
+documents, window, global tokens, prefix-LM mask_mod with a per-row operand, chunked-causal
+mask_mod, a score_mod with a trainable table, sinks, dropout, GQA 8:2}, the output and every
+gradient (q, k, v, the table, the sinks) equal the unsharded call's. xla_chunked runs the whole
+table, the reference and the interpreted flash kernels a representative subset. What a strategy
+cannot serve is refused by name, and the refusal is asserted here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import flash_layers as fl
+from flash_layers import validate
+from flash_layers.parallel import sharded
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKER = Path(__file__).resolve().parent / "cp_worker.py"
+F32_TOL = 2e-5
+sys.path.insert(0, str(WORKER.parent))
+import cp_worker  # noqa: E402 -- the case table; importing it starts no devices
+from conftest import subprocess_xla_flags  # noqa: E402
+
+SEQUENCE_MESHES = [name for name, sizes in cp_worker.MESHES if "sequence" in sizes]
+OTHER_MESHES = [name for name, sizes in cp_worker.MESHES if "sequence" not in sizes]
+STRATEGIES = fl.parallel.STRATEGIES
+# A strategy that cannot serve a (request, mesh) must refuse it with these words; none expected
+# in this table, whose shapes every strategy divides (8 heads, 64 tokens, 4 sequence devices).
+REFUSALS: dict[tuple[str, str, str], str] = {}
+
+
+def _run(args, timeout=900) -> list[dict]:
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), XLA_FLAGS=subprocess_xla_flags(8))
+  proc = subprocess.run([sys.executable, str(WORKER), *args], env=env, cwd=ROOT, capture_output=True,
+                        text=True, timeout=timeout)
+  assert proc.returncode == 0, f"worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+  lines = proc.stdout.splitlines()
+  return [json.loads(line[len("RESULT "):]) for line in lines if line.startswith("RESULT ")]
+
+
+def _check(results: list[dict], expected_cases: int) -> None:
+  assert len(results) == expected_cases, [(r["request"], r["mesh"], r["strategy"]) for r in results]
+  failures = []
+  for r in results:
+    where = f"{r['impl']} {r['request']} on {r['mesh']} with {r['strategy']}"
+    refusal = REFUSALS.get((r["request"], r["mesh"], r["strategy"]))
+    if refusal is not None:
+      if refusal not in r.get("refused", ""):
+        failures.append(f"{where}: expected a refusal naming {refusal!r}; got {r}")
+      continue
+    if "errors" not in r:
+      failures.append(f"{where}: {r.get('refused') or r.get('error')}")
+      continue
+    bad = {k: e for k, e in r["errors"].items() if not e <= F32_TOL}  # NaN fails too
+    names = {"out", "dq", "dk", "dv"} | ({"dmod_operands"} if r["request"] == "t5_table" else set()) | (
+        {"dsinks"} if r["request"] == "sinks" else set())
+    if bad or set(r["errors"]) != names:
+      failures.append(f"{where}: relative errors {r['errors']} (limit {F32_TOL})")
+    if r["strategy"] != "auto" and f"strategy {r['strategy']}" not in r["explain"]:
+      failures.append(f"{where}: explain says {r['explain']!r}")
+  assert not failures, "\n".join(failures)
+
+
+# One subprocess per strategy: the whole request table on the three sequence meshes, xla_chunked.
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_every_request_on_every_sequence_mesh(strategy):
+  results = _run(["xla_chunked", strategy, "", ",".join(SEQUENCE_MESHES)])
+  _check(results, len(cp_worker.REQUESTS) * len(SEQUENCE_MESHES))
+
+
+def test_every_request_on_data_and_tensor_meshes():
+  results = _run(["xla_chunked", "auto", "", ",".join(OTHER_MESHES)])
+  _check(results, len(cp_worker.REQUESTS) * len(OTHER_MESHES))
+
+
+def test_reference_on_every_strategy():
+  requests = ["packed", "prefix_lm", "t5_table", "dropout"]
+  results = _run(["reference", ",".join(STRATEGIES), ",".join(requests), "data_tensor,tensor_sequence"])
+  _check(results, len(requests) * (1 + len(STRATEGIES)))
+
+
+# The flash kernels, interpreted (TPU family on a CPU host): a causal, a mask_mod and a trainable
+# table, each strategy once on the tensor x sequence mesh.
+def test_interpreted_flash_kernels_on_every_strategy():
+  requests = ["packed", "prefix_lm", "t5_table"]
+  results = _run(["flash_pallas", ",".join(STRATEGIES), ",".join(requests), "tensor_sequence"])
+  _check(results, len(requests) * len(STRATEGIES))
+
+
+# ----------------------------------------------------------------------------
+# Refusals and declarations, on abstract meshes (no devices needed)
+# ----------------------------------------------------------------------------
+
+def _abstract(**sizes):
+  names = fl.parallel.AXES
+  return jax.sharding.AbstractMesh(tuple(sizes.get(a, 1) for a in names), names)
+
+
+def _qkv(heads=8, kv_heads=2, length=64, batch=4):
+  return (jax.ShapeDtypeStruct((batch, length, heads, 16), jnp.float32),
+          jax.ShapeDtypeStruct((batch, length, kv_heads, 16), jnp.float32),
+          jax.ShapeDtypeStruct((batch, length, kv_heads, 16), jnp.float32))
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+  q, k, v = _qkv(heads=6, kv_heads=2)
+  with pytest.raises(fl.UnsupportedError, match=r"ulysses.*num_heads|num_heads.*ulysses"):
+    fl.explain(q, k, v, impl="xla_chunked", causal=True, mesh=_abstract(sequence=4),
+               context_parallel="ulysses")
+
+
+def test_unknown_strategy_is_named():
+  q, k, v = _qkv()
+  with pytest.raises(ValueError, match="context_parallel must be one of"):
+    fl.explain(q, k, v, impl="xla_chunked", mesh=_abstract(sequence=4), context_parallel="megatron")
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_dense_bias_with_a_sequence_split_is_refused(strategy):
+  q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _qkv())
+  request, args = validate.prepare(q, k, v, bias=jnp.zeros((4, 8, 64, 64), jnp.float32))
+  plan = sharded.make_plan(request, _abstract(sequence=4), strategy=strategy)
+  with pytest.raises(fl.UnsupportedError, match=f"dense bias with a sequence-sharded mesh.*{strategy}"):
+    sharded._check_sequence_split(plan, args)
+
+
+def test_operand_layouts_are_checked_by_name():
+  q, k, v = _qkv()
+  prefix = jnp.zeros((4,), jnp.int32)
+  mask_mod = fl.masks.prefix_lm(operand=0)
+  with pytest.raises(ValueError, match=r"mod_operand_axes\[0\]\[0\] must be one of"):
+    fl.explain(q, k, v, impl="xla_chunked", mask_mod=mask_mod, mod_operands=(prefix,),
+               mod_operand_axes=(("rows",),))
+  with pytest.raises(ValueError, match=r"mod_operands\[0\] axis 0 is declared 'heads'"):
+    fl.explain(q, k, v, impl="xla_chunked", mask_mod=mask_mod, mod_operands=(prefix,),
+               mod_operand_axes=(("heads",),))
+  with pytest.raises(ValueError, match="one entry per mod_operand"):
+    fl.explain(q, k, v, impl="xla_chunked", mask_mod=mask_mod, mod_operands=(prefix,),
+               mod_operand_axes=(("batch",), None))
+
+
+def test_user_axis_names_need_a_mapping():
+  q, k, v = _qkv()
+  mesh = jax.sharding.AbstractMesh((2, 4), ("batch", "model"))
+  with pytest.raises(ValueError, match="none of flash_layers'"):
+    fl.explain(q, k, v, impl="xla_chunked", causal=True, mesh=mesh)
+  text = fl.explain(q, k, v, impl="xla_chunked", causal=True, mesh=mesh,
+                    mesh_axes={"batch": "batch", "heads": "model"}).sharding
+  assert "batch over batch (2 shards)" in text and "heads over model (2 per shard" in text, text
+  import flax.linen as nn
+  with nn.logical_axis_rules([("batch", "batch"), ("heads", "model")]):
+    assert fl.explain(q, k, v, impl="xla_chunked", causal=True, mesh=mesh).sharding == text
+  with pytest.raises(ValueError, match="does not have"):
+    fl.explain(q, k, v, impl="xla_chunked", mesh=mesh, mesh_axes={"heads": "tensor"})
