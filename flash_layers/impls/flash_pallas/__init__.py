@@ -197,7 +197,7 @@ class FlashPallas:
     score_mod's float operands, (dq, dk, dv, d_operands): a tuple aligned with args.mod_operands, the
     gradient of each float operand (its shape and dtype), None for the others."""
     floats = mods.differentiable(args.mod_operands) if request.has_float_score_operands else ()
-    shapes = (q, k, v, *(x for x, f in zip(args.mod_operands, floats) if f))
+    shapes = (q, k, v, *(x for x, f in zip(args.mod_operands, floats, strict=False) if f))
 
     def run(family, interpret):  # flat results: what every platform branch must return alike
       def grads(q, k, v):

@@ -178,7 +178,8 @@ def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def views(refs, metas: tuple[Meta, ...], interpret: bool, where: str) -> tuple[Operand, ...]:
-  return tuple(Operand(ref, meta, interpret, where, n) for n, (ref, meta) in enumerate(zip(refs, metas, strict=True)))
+  return tuple(Operand(ref, meta, interpret, where, n)
+               for n, (ref, meta) in enumerate(zip(refs, metas, strict=True)))
 
 
 # ----------------------------------------------------------------------------
@@ -221,7 +222,8 @@ def score_vjp(score_mod, x, idx: mods.Indices, operands: tuple):
   """
   floats = tuple(isinstance(op, Operand) and jnp.issubdtype(op.dtype, jnp.floating) for op in operands)
   tape = Tape()
-  mods.score(score_mod, x, idx, tuple(op.taped(tape) if f else op for op, f in zip(operands, floats, strict=True)))
+  mods.score(score_mod, x, idx,
+             tuple(op.taped(tape) if f else op for op, f in zip(operands, floats, strict=True)))
   reads = tuple(read for read, _ in tape.reads)
   values = tuple(jnp.broadcast_to(v, x.shape) for _, v in tape.reads)
 

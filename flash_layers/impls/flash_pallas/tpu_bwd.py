@@ -219,7 +219,8 @@ def grad_rows(cfg: TpuCall) -> int:
 
 
 def _backward(cfg: TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, do, reuse_do: bool):
-  """dq, dk, dv and the flat operands' gradients (float32, None for those without one). ``reuse_do``: dO is dead after this call (a VJP's cotangent), so the dQ kernel,
+  """dq, dk, dv and the flat operands' gradients (float32, None for those without one).
+  ``reuse_do``: dO is dead after this call (a VJP's cotangent), so the dQ kernel,
   which runs last and reads each dO tile only while it owns that q block, writes dQ into dO's
   buffer (input_output_aliases): one q-sized buffer less (at 8k tokens on v5e, the only HBM
   temporary left). Token-major operands only: with head-major copies the alias made XLA keep
