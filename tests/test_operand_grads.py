@@ -9,6 +9,7 @@ kernels compile ahead of time for v5e and v6e with the table, and the GPU backwa
 from __future__ import annotations
 
 import os
+import re
 
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # other test processes may hold libtpu
 
@@ -22,6 +23,8 @@ from flash_layers import dispatch, validate  # noqa: E402
 from flash_layers.testing import reference64  # noqa: E402
 
 BUCKETS, MAX_DISTANCE = 16, 64
+TPU_KERNELS = ("flash_layers_fwd", "flash_layers_bwd_delta", "flash_layers_bwd_dkv", "flash_layers_bwd_dq")
+GPU_KERNELS = ("flash_pallas_gpu_forward", "flash_pallas_gpu_backward_dkv", "flash_pallas_gpu_backward_dq")
 
 
 def t5_bucket(rel, bidirectional: bool):
@@ -81,9 +84,14 @@ MASK_MODS = {16: _mask_mod(16)}
 
 
 def _flash(q, k, v, dout, table, causal: bool, prefix: int | None, platform: str):
+  # Several q blocks with the mask_mod (TPU: 128-row tiles, the smallest; a grid row then holds two
+  # q blocks, which share the row's partial), one or two without.
+  sizes = fl.BlockSizes(128, 128) if platform == "tpu" and prefix is not None else None
+
   def f(q, k, v, table):
     return fl.attention(q, k, v, impl="flash_pallas", causal=causal, score_mod=MODS[not causal],
-                        mask_mod=None if prefix is None else MASK_MODS[prefix], mod_operands=(table,))
+                        mask_mod=None if prefix is None else MASK_MODS[prefix], mod_operands=(table,),
+                        block_sizes=sizes)
 
   with fl.interpret_as(platform):
     out, vjp = jax.vjp(f, *(jnp.asarray(x) for x in (q, k, v, table)))
@@ -101,7 +109,7 @@ def _rel_error(actual, expected):
 def test_table_gradient_matches_the_float64_oracle(platform, causal, prefix):
   """GQA 4:2, float32: out, dq, dk, dv and d table within 2e-5 of the oracle (relative to the largest
   entry of each)."""
-  q, k, v, dout, table = _problem()
+  q, k, v, dout, table = _problem(t=80 if prefix is None else 300)
   expected, dtable = _oracle(q, k, v, dout, table, causal, prefix)
   out, dq, dk, dv, dt = _flash(q, k, v, dout, table, causal, prefix, platform)
   assert dt.shape == table.shape and dt.dtype == jnp.float32
@@ -130,12 +138,63 @@ def test_attention_backward_returns_the_operand_gradients_like_xla_dense():
 
   expected = backward("xla_dense")
   assert len(expected) == 4 and expected[3][1] is None and expected[3][0].shape == table.shape
-  for platform in ("tpu", "gpu"):
-    with fl.interpret_as(platform):
-      got = jax.jit(lambda: backward("flash_pallas"))()
+  for platform in ("tpu", "gpu", None):  # None: xla_chunked, on the CPU
+    if platform is None:
+      got = jax.jit(lambda: backward("xla_chunked"))()
+    else:
+      with fl.interpret_as(platform):
+        got = jax.jit(lambda: backward("flash_pallas"))()
     assert len(got) == 4 and got[3][1] is None
     for a, e in zip((*got[:3], got[3][0]), (*expected[:3], expected[3][0]), strict=True):
       np.testing.assert_allclose(a, e, rtol=0, atol=2e-5 * float(np.abs(e).max()))
   plain, plain_args = validate.prepare(q, k, v, causal=True)
   assert len(dispatch.attend_backward(q, k, v, lse, delta, dout, impl="xla_dense", request=plain,
                                       args=plain_args)) == 3
+
+
+def _tpu_device(generation: str):
+  topologies = pytest.importorskip("jax.experimental.topologies")
+  pytest.importorskip("libtpu")
+  name = {"v5e": "v5e:2x2", "v6e": "v6e:2x2"}[generation]
+  return topologies.get_topology_desc(platform="tpu", topology_name=name).devices[0]
+
+
+@pytest.mark.aot
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_forward_and_backward_with_the_table_compile_for_a_tpu(generation):
+  """bfloat16 q, k, v [1, 512, 4, 128] and a float32 table [4, 16]: jax.grad in q, k, v and the table
+  compiles through Mosaic to our four kernels (the gather unrolled into selects, the operand gradient
+  accumulated in the dQ kernel); its temporaries stay within 64 KiB of the plain call's (the
+  partials: one [8, 128] float32 block per (batch, head, row) program)."""
+  placed = jax.sharding.SingleDeviceSharding(_tpu_device(generation))
+  x = jax.ShapeDtypeStruct((1, 512, 4, 128), jnp.bfloat16, sharding=placed)
+  table = jax.ShapeDtypeStruct((4, BUCKETS), jnp.float32, sharding=placed)
+
+  def loss(q, k, v, table, with_table=True):
+    mods = dict(score_mod=MODS[False], mod_operands=(table,)) if with_table else {}
+    return fl.attention(q, k, v, impl="flash_pallas", causal=True, **mods).astype(jnp.float32).sum()
+
+  compiled = jax.jit(jax.grad(loss, (0, 1, 2, 3))).lower(x, x, x, table).compile()
+  plain = jax.jit(jax.grad(lambda *a: loss(*a, with_table=False), (0, 1, 2))).lower(x, x, x, table).compile()
+  calls = re.findall(r"%([\w.-]+) = [^\n]*custom_call_target=\"tpu_custom_call\"", compiled.as_text())
+  assert sorted(re.sub(r"\.\d+$", "", n) for n in calls) == sorted(TPU_KERNELS)
+  temps = [c.memory_analysis().temp_size_in_bytes for c in (compiled, plain)]
+  assert temps[0] <= temps[1] + 64 * 1024, temps
+
+
+def test_the_gpu_backward_with_the_table_lowers_to_triton():
+  """The same gradient lowered for CUDA on this host: our three Triton kernels, the dQ kernel with its
+  partials output."""
+  lib = pytest.importorskip("jax._src.lib")
+  if lib.version > (0, 10, 2) and not lib.triton.has_compilation_handler("cuda"):
+    pytest.skip("this jaxlib lowers Triton for CUDA only with its CUDA plugin")
+  q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, 512, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v, table):
+    return fl.attention(q, k, v, impl="flash_pallas", causal=True, score_mod=MODS[True],
+                        mod_operands=(table,)).astype(jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(
+      q, kv, kv, jax.ShapeDtypeStruct((4, BUCKETS), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  assert sorted(re.findall(r'name = "(flash_pallas_gpu_[a-z_]+)"', text)) == sorted(GPU_KERNELS)
