@@ -141,6 +141,7 @@ RUNS = {
     ],
     "flash_pallas": [
         ("ulysses", "causal_packed_gqa", (2, 1, 4), 1), ("ulysses_ring", "causal_packed_gqa", (2, 1, 4), 2),
+        ("ulysses_ring", "score_table", (2, 1, 4), 1),  # the plain ring: the kernels' operand gradients
     ],
 }
 

@@ -21,9 +21,6 @@ from flash_layers.parallel import ulysses
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "cp_ulysses_worker.py"
 F32_TOL = 2e-5
-# The ring's backward needs attention_backward's operand gradients (branch opgrad); until the impl
-# returns them the ring refuses a score_mod's float operands by this message.
-NO_OPERAND_GRADS = "returns no score_mod operand gradients"
 sys.path.insert(0, str(WORKER.parent))
 import cp_ulysses_worker  # noqa: E402 -- the run table; importing it starts no devices
 from conftest import subprocess_xla_flags  # noqa: E402
@@ -42,18 +39,16 @@ def _run(which: str) -> list[dict]:
 def test_strategies_equal_unsharded(impl):
   results = _run(impl)
   assert len(results) == len(cp_ulysses_worker.RUNS[impl])
-  failures, pending = [], []
+  failures = []
   for r in results:
     name = f"{r['strategy']} {r['case']} mesh {r['mesh']} group {r['group']}"
     if "error" in r:
-      (pending if NO_OPERAND_GRADS in r["error"] else failures).append(f"{name}: {r['error']}")
+      failures.append(f"{name}: {r['error']}")
       continue
     expected = {"out", "lse", "dq", "dk", "dv"} | ({"d_operand0"} if r["case"] == "score_table" else set())
     if set(r["errors"]) != expected or not all(e <= F32_TOL for e in r["errors"].values()):
       failures.append(f"{name}: relative errors {r['errors']} (limit {F32_TOL})")
   assert not failures, f"{impl}:\n" + "\n".join(failures)
-  if pending:
-    pytest.xfail("the ring's operand gradients wait for the impls' (branch opgrad):\n" + "\n".join(pending))
 
 
 def test_collectives():
