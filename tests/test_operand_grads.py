@@ -196,5 +196,6 @@ def test_the_gpu_backward_with_the_table_lowers_to_triton():
                         mod_operands=(table,)).astype(jnp.float32).sum()
 
   table = jax.ShapeDtypeStruct((4, BUCKETS), jnp.float32)
-  text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(q, kv, kv, table).lower(lowering_platforms=("cuda",)).as_text()
+  traced = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(q, kv, kv, table)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert sorted(re.findall(r'name = "(flash_pallas_gpu_[a-z_]+)"', text)) == sorted(GPU_KERNELS)
