@@ -195,6 +195,7 @@ def test_the_gpu_backward_with_the_table_lowers_to_triton():
     return fl.attention(q, k, v, impl="flash_pallas", causal=True, score_mod=MODS[True],
                         mod_operands=(table,)).astype(jnp.float32).sum()
 
-  text = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(
-      q, kv, kv, jax.ShapeDtypeStruct((4, BUCKETS), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
+  table = jax.ShapeDtypeStruct((4, BUCKETS), jnp.float32)
+  traced = jax.jit(jax.grad(loss, (0, 1, 2, 3))).trace(q, kv, kv, table)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert sorted(re.findall(r'name = "(flash_pallas_gpu_[a-z_]+)"', text)) == sorted(GPU_KERNELS)

@@ -291,7 +291,8 @@ class XlaDense:
     """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]`` (the softmax's normaliser
     and rowsum(dO * O) - dlse of the whole output): P = exp(logits - lse), then the same
     gradients as the VJP; with a score_mod's float operands (dq, dk, dv, their gradients: a tuple
-    aligned with mod_operands, None for the others). Also serves reference and xla_native in ring attention's backward."""
+    aligned with mod_operands, None for the others). Also serves reference and xla_native in ring
+    attention's backward."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
