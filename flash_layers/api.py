@@ -92,8 +92,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array, *, impl: str =
     score_mod: ``(score, b, h, q_idx, kv_idx, *mod_operands) -> score``, elementwise, rewrites each
       float32 logit (e.g. a T5 relative-position bias read from a table operand). Differentiable in
       the score and in the floating-point mod_operands. Served by reference, xla_dense and
-      xla_chunked; by flash_pallas when its operands are not floating point (no operand gradients
-      in the kernels).
+      xla_chunked; by flash_pallas, whose dQ kernels accumulate the float operands' gradients (up to
+      2,048 elements; docs/kernels.md, "Operand gradients").
     mod_operands: a tuple of arrays passed to both mods after the indices (flash_layers/contract/mods.py).
       Gradients reach the floating-point ones.
     mod_operand_axes: on a mesh, one entry per mod_operand: None (replicated on every device) or a

@@ -100,22 +100,24 @@ def test_impls_refuse_what_they_cannot_serve_by_name_and_say_who_serves_it():
                              (dict(score_mod=lambda s, *_: s), "score_mod")):
       with pytest.raises(fl.UnsupportedError, match=rf"jax_splash.*{feature}.*impls that do: .*xla_chunked"):
         fl.attention(q, k, v, impl="jax_splash", **options)
-  # Our kernels evaluate mods, but accumulate no gradient for a score_mod's floating-point operands.
+  # Our kernels accumulate a score_mod's float operands' gradients in one float32 partial per program,
+  # of at most kernel_mods.MAX_GRAD_ELEMENTS elements.
   for platform in ("tpu", "gpu"):
-    refusal = r"flash_pallas.*score_mod operand gradients.*impls that do: .*xla_chunked"
+    refusal = r"flash_pallas.*score_mod operand gradients of mod_operands of 4096 elements.*impls that do"
     with fl.interpret_as(platform), pytest.raises(fl.UnsupportedError, match=refusal):
-      fl.attention(q, k, v, impl="flash_pallas", score_mod=relative_bias, mod_operands=(table,))
+      fl.attention(q, k, v, impl="flash_pallas", score_mod=relative_bias,
+                   mod_operands=(jnp.zeros((H, 1024), jnp.float32),))
   with pytest.raises(fl.UnsupportedError, match="xla_native.*score_mod"):
     fl.attention(q, k, v, impl="xla_native", score_mod=lambda s, *_: s)
   # The TPU kernels hold the operands in scalar memory, beside the block plan.
   with fl.interpret_as("tpu"), pytest.raises(fl.UnsupportedError, match=r"mod_operands of 200000 elements"):
     fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.prefix_lm(operand=0),
                  mod_operands=(np.zeros(200_000, np.int32),))
-  # "auto" for a TPU runs a mask_mod in our kernel, a learned score_mod table in the chunked impl.
+  # "auto" for a TPU or a GPU runs a mask_mod and a learned score_mod table in our kernels.
   from flash_layers import auto, validate
-  for options, impl in ((dict(mask_mod=fl.masks.causal()), "flash_pallas"),
-                        (dict(score_mod=relative_bias, mod_operands=(table,)), "xla_chunked")):
-    assert auto.resolve("auto", validate.prepare(q, k, v, **options)[0], "tpu")[0] == impl
+  for options in (dict(mask_mod=fl.masks.causal()), dict(score_mod=relative_bias, mod_operands=(table,))):
+    for platform in ("tpu", "cuda"):
+      assert auto.resolve("auto", validate.prepare(q, k, v, **options)[0], platform)[0] == "flash_pallas"
 
 
 def _visible_tiles(visible: np.ndarray, bq: int, bk: int) -> int:

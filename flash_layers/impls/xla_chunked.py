@@ -458,7 +458,12 @@ class XlaChunked:
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]``: the chunked backward
-    alone (each visited chunk's probabilities from lse), no forward."""
+    alone (each visited chunk's probabilities from lse), no forward. With a score_mod's float
+    operands, (dq, dk, dv, their gradients aligned with mod_operands, None for the others); that call
+    runs whole (the CPU loop reassembles only per-row, per-head results)."""
+    if request.has_float_score_operands:
+      return self._backward(q, k, v, lse, delta, d_out, request=request,
+                            args=self._with_mod_tiles(request, args))
     return cpu_loop.looped_on_cpu(
         lambda q, k, v, d_out, lse, delta, **kw: self._backward(q, k, v, lse, delta, d_out, **kw),
         q, k, v, request=request, args=self._with_mod_tiles(request, args), tile=self.chunk_shape(request),
@@ -479,13 +484,16 @@ class XlaChunked:
     dout = dout.reshape(b, nq, bq, kvh, g, -1).transpose(0, 1, 3, 4, 2, 5)
     arrays, axes = _row_inputs(q_seg, kv_seg, bm.kv_index, bm.kv_count, _listed_full(bm), extras)
     bwd = jax.vmap(_backward_row, in_axes=(None, 0, 0, 0, *axes, 0, 0, 0, 0))
-    dq, dk, dv, _, _ = bwd(st, qc, kc, vc, *arrays, jnp.arange(b, dtype=jnp.int32),
-                           rows(lse, -jnp.inf), rows(delta, 0.0), dout)
+    dq, dk, dv, _, d_ops = bwd(st, qc, kc, vc, *arrays, jnp.arange(b, dtype=jnp.int32),
+                               rows(lse, -jnp.inf), rows(delta, 0.0), dout)
     dq = dq.transpose(0, 1, 4, 2, 3, 5).reshape(b, tp, h, d)[:, :t]
     sp = dk.shape[1] * st.block_kv
     dk = dk.transpose(0, 1, 3, 2, 4).reshape(b, sp, kvh, d)[:, :s]
     dv = dv.transpose(0, 1, 3, 2, 4).reshape(b, sp, kvh, -1)[:, :s]
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    grads = dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    if not request.has_float_score_operands:
+      return grads
+    return (*grads, mods.cast_grads(tuple(None if d is None else d.sum(0) for d in d_ops), extras.ops))
 
   def _layout(self, q, k, v, request: Request, args: Args):
     """The chunked layout of one call: (static config, (q, k, v) chunks, segment chunks, block

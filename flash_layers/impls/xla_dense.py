@@ -290,7 +290,9 @@ class XlaDense:
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
     """(dq, dk, dv) from given row statistics ``lse, delta [b, h, q]`` (the softmax's normaliser
     and rowsum(dO * O) - dlse of the whole output): P = exp(logits - lse), then the same
-    gradients as the VJP. Also serves reference and xla_native in ring attention's backward."""
+    gradients as the VJP; with a score_mod's float operands (dq, dk, dv, their gradients: a tuple
+    aligned with mod_operands, None for the others). Also serves reference and xla_native in ring
+    attention's backward."""
     b, t, h, d = q.shape
     kvh = k.shape[2]
     group = h // kvh
@@ -301,9 +303,12 @@ class XlaDense:
     p = jnp.exp(logits - lse[..., None])
     dout = d_out.astype(jnp.float32)
     dout = dout.reshape(b, t, kvh, group, -1) if group > 1 else dout
-    dq, dk, dv, _, _ = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, mod, dout,
-                              stats(delta.astype(jnp.float32)))
-    return dq.reshape(b, t, h, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    dq, dk, dv, _, d_ops = _grads(st, q32, k32, v32, p, jnp.ones_like(lse), tanh, extra, keep, mod, dout,
+                                  stats(delta.astype(jnp.float32)))
+    grads = dq.reshape(b, t, h, d).astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    # A score_mod's float operands: their gradients too, aligned with mod_operands (ring attention's
+    # backward sums each shard pair's share).
+    return (*grads, d_ops) if request.has_float_score_operands else grads
 
 
 def _bounded(request: Request) -> bool:

@@ -28,7 +28,7 @@ from typing import Protocol
 import jax
 
 from flash_layers import lowering
-from flash_layers.contract import block_info
+from flash_layers.contract import block_info, mods
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
 from flash_layers.impls.flash_pallas import decode, kernel_mods
@@ -57,8 +57,9 @@ class KernelFamily(Protocol):
 
   def attention_backward(self, q: jax.Array, k: jax.Array, v: jax.Array, lse: jax.Array,
                          delta: jax.Array, d_out: jax.Array, *, request: Request, args: Args,
-                         interpret: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(dq, dk, dv) from given row statistics, no forward."""
+                         interpret: bool) -> tuple:
+    """(dq, dk, dv) from given row statistics, no forward; with a score_mod's float operands
+    (dq, dk, dv, their gradients aligned with mod_operands, None for the others)."""
 
 
 # How the dispatcher calls each KernelFamily function: (positional arguments, keyword arguments).
@@ -137,8 +138,10 @@ class FlashPallas:
       return "dense mask"
     if request.has_bias:  # an O(q * kv) operand per head defeats the kernels' purpose
       return "dense bias"
-    if request.has_float_score_operands:  # the kernels do not accumulate operand gradients
-      return "score_mod operand gradients"
+    if request.has_float_score_operands and request.mod_operand_words > kernel_mods.MAX_GRAD_ELEMENTS:
+      # The dQ kernels keep one float32 accumulator of the operands per program (registers, VMEM).
+      return (f"score_mod operand gradients of mod_operands of {request.mod_operand_words} elements (the "
+              f"kernels accumulate at most {kernel_mods.MAX_GRAD_ELEMENTS} per program)")
     family, _ = family_for(platform)
     return _family(family).unsupported(request)
 
@@ -190,10 +193,24 @@ class FlashPallas:
                                                         interpret=interpret)))
 
   def attention_backward(self, q, k, v, lse, delta, d_out, *, request: Request, args: Args):
-    """(dq, dk, dv) from given row statistics: the family's backward kernels, no forward."""
-    return _by_family(request, q, k, v, (q, k, v), lambda family, interpret: (
-        lambda q, k, v: _family(family).attention_backward(
-            q, k, v, lse, delta, d_out, request=request, args=args, interpret=interpret)))
+    """(dq, dk, dv) from given row statistics: the family's backward kernels, no forward. With a
+    score_mod's float operands, (dq, dk, dv, d_operands): a tuple aligned with args.mod_operands, the
+    gradient of each float operand (its shape and dtype), None for the others."""
+    floats = mods.differentiable(args.mod_operands) if request.has_float_score_operands else ()
+    shapes = (q, k, v, *(x for x, f in zip(args.mod_operands, floats, strict=False) if f))
+
+    def run(family, interpret):  # flat results: what every platform branch must return alike
+      def grads(q, k, v):
+        out = _family(family).attention_backward(q, k, v, lse, delta, d_out, request=request, args=args,
+                                                 interpret=interpret)
+        return (*out[:3], *(g for g in (out[3] if floats else ()) if g is not None))
+      return grads
+
+    flat = _by_family(request, q, k, v, shapes, run)
+    if not floats:
+      return tuple(flat)
+    rest = iter(flat[3:])
+    return (*flat[:3], tuple(next(rest) if f else None for f in floats))
 
 
 def _lowerable(fn, shapes, interpret: bool):

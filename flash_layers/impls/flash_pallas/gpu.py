@@ -127,11 +127,11 @@ def _flash_backward(st, residuals, cotangents):
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32),
                      precision=st.request.precision)
   delta = delta - d_lse
-  # The operands: a mask_mod's have no gradient; a score_mod with floating ones never gets here
-  # (FlashPallas.unsupported: "score_mod operand gradients"). The tile flags are booleans.
-  flat, prebuilt = ops
-  return (*backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out),
-          None, None, None, (tuple(None for _ in flat), None if prebuilt is None else (None, None)))
+  # The operands: the float ones (flattened to float32) take the dQ kernel's summed partials, a
+  # mask_mod's integer ones none; the tile flags are booleans.
+  _, prebuilt = ops
+  dq, dk, dv, d_flat = backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out)
+  return dq, dk, dv, None, None, None, (d_flat, None if prebuilt is None else (None, None))
 
 
 _flash.defvjp(_flash_forward, _flash_backward)
@@ -156,7 +156,11 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
 def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Args,
                        interpret: bool):
   """(dq, dk, dv) from given row statistics lse, delta [b, h, q]: the backward kernels only
-  (see the TPU family's `attention_backward`)."""
+  (see the TPU family's `attention_backward`); with a score_mod's float operands, (dq, dk, dv, their
+  gradients aligned with mod_operands, None for the others)."""
   st, offsets, ops = _prepare(request, args, interpret, q.shape[0])
-  return backward_from_stats(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets, ops,
-                             lse.astype(jnp.float32), delta.astype(jnp.float32), d_out)
+  dq, dk, dv, d_flat = backward_from_stats(st, q, k, v, args.q_segment_ids, args.kv_segment_ids, offsets,
+                                           ops, lse.astype(jnp.float32), delta.astype(jnp.float32), d_out)
+  if not request.has_float_score_operands:
+    return dq, dk, dv
+  return dq, dk, dv, kernel_mods.operand_grads(d_flat, args.mod_operands)

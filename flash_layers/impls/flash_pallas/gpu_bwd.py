@@ -93,7 +93,7 @@ def _dkv_kernel(st: GpuCall, *refs):
 def _dq_kernel(st: GpuCall, *refs):
   """One program: q block `program_id(0)` of (batch, head) `program_id(1)`."""
   offsets_ref, table, segs, refs = split_refs(st, refs)
-  operands, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref = refs
+  operands, q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, dq_ref, *grads_ref = refs
   r = st.request
   block_q, block_kv = st.cfg.block_q_bwd, st.cfg.block_kv_bwd
   q_block, batch, head, q_start, q_rows, kv_rows = q_program(st, block_q, block_kv)
@@ -104,21 +104,33 @@ def _dq_kernel(st: GpuCall, *refs):
   delta = load(delta_ref, q_start, q_rows)
   q_seg = load(segs[0], q_start, q_rows) if segs else None
 
-  def visit(kv_block, dq, masked):
+  # With operand gradients the carry holds (dQ, this program's float32 partial of the float operands'
+  # gradients, in registers), stored once after the walk.
+  def visit(kv_block, carry, masked):
+    dq, grads = carry if st.operand_grads else (carry, None)
     kv_slice, start, rows, kv_seg, k = kv_tile(st, segs, k_ref, kv_block, block_kv, kv_rows, masked)
     tile = tile_positions(offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, chain = tile_logits(st, q, k, tile, masked, q_seg, kv_seg, alibi_term(st, offsets_ref, head, tile),
-                            (batch, head, operands) if r.has_mods else None, grad=True)
+                            (batch, head, operands) if r.has_mods else None, grad=True,
+                            operand_grads=st.operand_grads)
     p = jnp.exp2(s2 - lse2[:, None])
     dp = dot(st, do, load(v_ref.at[kv_slice, :], start, rows, r.head_dim_v), ((1,), (1,)))
     keep = dropout_keep(st, offsets_ref, batch, head, tile)
     if keep is not None:
       dp = dp * keep
-    ds = grad_logits(st, p, dp, delta, chain)
-    return dq + dot(st, ds.astype(k.dtype), k, ((1,), (0,)))
+    ds = grad_logits(st, p, dp, delta, chain, grads)
+    if grads is not None:
+      ds, grads = ds
+    dq = dq + dot(st, ds.astype(k.dtype), k, ((1,), (0,)))
+    return dq if grads is None else (dq, grads)
 
+  init = jnp.zeros((block_q, st.d_pad), jnp.float32)
+  if st.operand_grads:
+    init = (init, jnp.zeros((st.grad_slots,), jnp.float32))
   dq = walk(st, offsets_ref, table, q_block, block_q, r.q_len, block_kv, r.kv_len, True, visit,
-            jnp.zeros((block_q, st.d_pad), jnp.float32), map_row=batch if st.map_rows else 0)
+            init, map_row=batch if st.map_rows else 0)
+  if st.operand_grads:
+    dq, grads_ref[0][...] = dq
   store(dq_ref, (dq * r.scale).astype(dq_ref.dtype), q_start, q_rows, r.head_dim)
 
 
@@ -171,21 +183,27 @@ def backward_calls(st: GpuCall, q, k, v, q_seg, kv_seg, offsets, ops, do, lse2, 
       pl.BlockSpec((None, None, block_q), lambda i, j: (j // h, j % h, i)),
       pl.BlockSpec((None, None, block_q), lambda i, j: (j // h, j % h, i)),
   ]
-  dq = pl.pallas_call(
+  out_specs = [pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0))]
+  out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
+  if st.operand_grads:  # one partial per program, summed below
+    out_specs.append(pl.BlockSpec((None, None, st.grad_slots), lambda i, j: (i, j, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((num_q_blocks, batch * h, st.grad_slots), jnp.float32))
+  dq, *partials = pl.pallas_call(
       functools.partial(_dq_kernel, st), grid=(num_q_blocks, batch * h),
-      in_specs=specs,
-      out_specs=pl.BlockSpec((None, block_q, None, st.d_pad), lambda i, j: (j // h, i, j % h, 0)),
-      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      in_specs=specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=params, interpret=st.interpret, name="flash_pallas_gpu_backward_dq",
       cost_estimate=pl.CostEstimate(
           flops=2 * pairs * (2 * r.head_dim + r.head_dim_v),  # QK^T, dO V^T, dS K
           transcendentals=int(pairs), bytes_accessed=io_bytes),
   )(*arrays, q, k, v, do, lse2, delta)
-  return dq, dk, dv
+  if not partials:
+    return dq, dk, dv, tuple(None for _ in st.operands)
+  return dq, dk, dv, st.grad_layout.split(partials[0].sum((0, 1)))
 
 
 def backward_from_stats(st, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out):
-  """dq, dk, dv from the rows' lse and delta [b, h, q] (unpadded [b, len, h, d] arrays)."""
+  """dq, dk, dv and the flat operands' gradients (float32; None for those without one) from the rows'
+  lse and delta [b, h, q] (unpadded [b, len, h, d] arrays)."""
   # Base-2 lse for the kernels; +inf for rows that see no key, so P = 0 there.
   lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
   return backward_calls(st, q, k, v, q_seg, kv_seg, offsets, ops, d_out.astype(q.dtype), lse2, delta)

@@ -68,6 +68,20 @@ class GpuCall:
     return kernel_mods.views(refs, self.operands, self.interpret, "a GPU (Triton) kernel")
 
   @property
+  def operand_grads(self) -> bool:
+    """Whether the dQ kernel accumulates the gradients of score_mod's float operands."""
+    return self.request.has_float_score_operands
+
+  @property
+  def grad_layout(self) -> kernel_mods.GradLayout:
+    return kernel_mods.GradLayout.of(self.operands)
+
+  @property
+  def grad_slots(self) -> int:
+    """Length of a dQ program's operand-gradient accumulator (a power of two, as `tl.arange` wants)."""
+    return pow2_tile(self.grad_layout.total)
+
+  @property
   def group(self) -> int:
     return self.request.num_heads // self.request.num_kv_heads
 
@@ -232,7 +246,7 @@ def dot(st: GpuCall, a, b, contract):
 
 
 def tile_logits(st: GpuCall | decode.DecodeCall, q, k, tile: Tile, masked, q_seg=None, kv_seg=None,
-                alibi=None, mod_at=None, grad: bool = False):
+                alibi=None, mod_at=None, grad: bool = False, operand_grads: bool = False):
   """The logits step of every GPU kernel: base-2 logits of one [rows, block_kv] tile (``q @ k^T``, the
   rows' and keys' positions in `tile`), masked to -inf where invisible.
 
@@ -243,7 +257,8 @@ def tile_logits(st: GpuCall | decode.DecodeCall, q, k, tile: Tile, masked, q_seg
   mod_at: (batch row, query head, operand views) when the request has a mask_mod or score_mod.
   Returns (s2, chain): s2 = cap(score_mod(logits)) * log2(e) in float32; chain (``grad``) takes the
   gradient of the capped logits to that of the raw ones (the softcap's 1 - tanh^2, then score_mod's
-  derivative by `jax.vjp`), or None (identity).
+  derivative by `jax.vjp`), or None (identity); with ``operand_grads`` it returns (that gradient, the
+  reads' cotangents: `kernel_mods.score_vjp`) for `kernel_mods.accumulate`.
   """
   r = st.request
   raw = dot(st, q, k, ((1,), (1,)))
@@ -264,20 +279,17 @@ def tile_logits(st: GpuCall | decode.DecodeCall, q, k, tile: Tile, masked, q_seg
       x = x + alibi
     score_vjp = None
     if r.score_mod is not None:
-      def rewrite(x):
-        return mods.score(r.score_mod, x, idx, operands)
-      x, score_vjp = jax.vjp(rewrite, x) if grad else (rewrite(x), None)
+      x, score_vjp = kernel_mods.score_mod_vjp(r.score_mod, x, idx, operands, grad, operand_grads)
     if r.softcap is None:
       s2 = x * LOG2E
-      if grad:
-        chain = lambda ds: score_vjp(ds)[0]  # noqa: E731
+      chain = score_vjp
     else:
       tanh_t = jnp.tanh(x * (1.0 / r.softcap))
       s2 = tanh_t * (r.softcap * LOG2E)
       if grad:
         def chain(ds):
           ds = ds * (1.0 - tanh_t * tanh_t)
-          return ds if score_vjp is None else score_vjp(ds)[0]
+          return ds if score_vjp is None else score_vjp(ds)
   if masked is False or not needs_mask(r, block_kv):
     return s2, chain
 
@@ -296,10 +308,21 @@ def tile_logits(st: GpuCall | decode.DecodeCall, q, k, tile: Tile, masked, q_seg
   return lax.cond(masked != 0, element_mask, lambda s2: s2, s2), chain
 
 
-def grad_logits(st: GpuCall, p, dp, delta, chain):
-  """dS for one tile: P * (dP - D), through the softcap's tanh and score_mod when there are some."""
+def grad_logits(st: GpuCall, p, dp, delta, chain, grads=None):
+  """dS for one tile: P * (dP - D), through the softcap's tanh and score_mod when there are some.
+  ``grads``: a dQ program's operand-gradient accumulator, or None; with one, (dS, the accumulator
+  plus this tile's reads' cotangents)."""
   ds = p * (dp - delta[:, None])
-  return ds if chain is None else chain(ds)
+  if grads is None:
+    return ds if chain is None else chain(ds)
+  ds, reads = chain(ds)
+  slots = jnp.arange(grads.shape[0], dtype=jnp.int32)
+  return ds, kernel_mods.accumulate(grads, slots, st.grad_layout, reads, _tile_sum)
+
+
+def _tile_sum(x):
+  """A tile's sum as a scalar: one axis at a time, as Triton reduces."""
+  return jnp.sum(jnp.sum(x, axis=1), axis=0)
 
 
 def softmax_update(m, s2):

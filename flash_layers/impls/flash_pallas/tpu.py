@@ -136,7 +136,8 @@ def flash_attention(q, k, v, *, request: Request, args: Args, interpret: bool):
 
 def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Args,
                        interpret: bool):
-  """(dq, dk, dv) from given row statistics: the two backward kernels, no forward.
+  """(dq, dk, dv) from given row statistics: the two backward kernels, no forward; with a score_mod's
+  float operands (dq, dk, dv, their gradients: a tuple aligned with mod_operands, None for the others).
 
   ``lse [b, h, q]`` is the normaliser of the whole softmax the rows belong to and
   ``delta [b, h, q]`` = rowsum(dO * O) - dlse of its whole output (ring attention passes the
@@ -145,16 +146,19 @@ def attention_backward(q, k, v, lse, delta, d_out, *, request: Request, args: Ar
   if q.dtype not in (jnp.float32, jnp.bfloat16):
     grads = attention_backward(*(x.astype(jnp.float32) for x in (q, k, v)), lse, delta, d_out,
                                request=request, args=args, interpret=interpret)
-    return tuple(g.astype(x.dtype) for g, x in zip(grads, (q, k, v), strict=True))
+    return (*(g.astype(x.dtype) for g, x in zip(grads[:3], (q, k, v), strict=True)), *grads[3:])
   cfg, q_pad, kv_pad, offsets = _prepare(request, args, interpret, q.shape[0])
-  dq, dk, dv = backward_from_stats(
+  dq, dk, dv, d_flat = backward_from_stats(
       cfg, _to_kernel(cfg, q, q_pad), _to_kernel(cfg, k, kv_pad), _to_kernel(cfg, v, kv_pad),
       args.q_segment_ids, args.kv_segment_ids, offsets,
       (kernel_mods.flatten(args.mod_operands)[0], _prebuilt(request, args)),
       _row_stat(lse, q_pad), _row_stat(delta, q_pad), _to_kernel(cfg, d_out.astype(q.dtype), q_pad))
-  return (_from_kernel(cfg, dq, request.q_len, request.num_heads),
-          _from_kernel(cfg, dk, request.kv_len, request.num_kv_heads),
-          _from_kernel(cfg, dv, request.kv_len, request.num_kv_heads))
+  grads = (_from_kernel(cfg, dq, request.q_len, request.num_heads),
+           _from_kernel(cfg, dk, request.kv_len, request.num_kv_heads),
+           _from_kernel(cfg, dv, request.kv_len, request.num_kv_heads))
+  if not request.has_float_score_operands:
+    return grads
+  return (*grads, kernel_mods.operand_grads(d_flat, args.mod_operands))
 
 
 def _prebuilt(request: Request, args: Args):
@@ -193,12 +197,12 @@ def _flash_bwd(cfg: TpuCall, residuals, cotangents):
   # written: give them lse = +inf and D = 0, so p = 0 there, never NaN. Rows that see no key get
   # lse = +inf too (p = exp(s - inf) = 0, never exp(+inf)).
   delta = row_delta(cfg, out, d_out) - d_lse
-  dq, dk, dv = backward_from_stats(cfg, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out,
-                                   reuse_do=True)
-  # The operands: a mask_mod's have no gradient; a score_mod with floating ones never gets here
-  # (FlashPallas.unsupported: "score_mod operand gradients"). The tile flags are booleans.
-  flat, prebuilt = ops
-  return (dq, dk, dv, None, None, None, tuple(None for _ in flat),
+  dq, dk, dv, d_flat = backward_from_stats(cfg, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out,
+                                           reuse_do=True)
+  # The operands: the float ones (flattened to float32) take the dQ kernel's summed partials, a
+  # mask_mod's integer ones none; the tile flags are booleans.
+  _, prebuilt = ops
+  return (dq, dk, dv, None, None, None, d_flat,
           None if prebuilt is None else tuple(None for _ in prebuilt))
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from flash_layers.impls.flash_pallas import kernel_mods
 from flash_layers.impls.flash_pallas.tpu_common import (
   LOG2E,
   NN,
@@ -40,7 +41,7 @@ from flash_layers.impls.flash_pallas.tpu_common import (
   when_visited,
 )
 from flash_layers.impls.flash_pallas.tpu_grid import Grid, call_kernel, kernel_grid, segment_rows
-from flash_layers.impls.tiling import LANES
+from flash_layers.impls.tiling import LANES, round_up
 
 
 def _dkv_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Grid):
@@ -115,8 +116,12 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Grid
   dQ may be aliased into dO's buffer (`_backward`): a program copies its dO window to do_scr
   at its first step and writes dQ into the same window after its last; no other program
   touches that window.
+  With operand gradients (`cfg.operand_grads`) a second output, grads_ref [R, 128] float32, holds
+  this program's (batch, head, row) partial sums of the float operands' gradients, resident over
+  the row's steps (its block index does not change along them).
   """
   operands, refs = cfg.mod_views(refs[:len(cfg.operands)]), refs[len(cfg.operands):]
+  grads_ref, refs = _grads_output(cfg, refs)
   if cfg.has_segments:
     (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_seg_ref, kv_seg_ref, dq_ref,
      dq_scr, lse_scr, delta_scr, q_scr, do_scr, q_seg_scr) = refs
@@ -128,6 +133,11 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Grid
 
   def row(ref, j):  # head j's [1, bq] row of lse or D
     return ref[j] if heads > 1 else ref[...]
+
+  if grads_ref is not None:
+    @pl.when(pl.program_id(3) == 0)  # the row's first step: its partial starts at zero
+    def _zero():
+      grads_ref[...] = jnp.zeros(grads_ref.shape, jnp.float32)
 
   @pl.when(step.first)
   def _init():
@@ -151,15 +161,13 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Grid
       head = step.head + j
       k = k_ref[...]
       s, chain = tile_logits(cfg, q_scr[j], k, alibi=alibi_term(cfg, offsets_ref, head, tile), mod=mod,
-                             visible=visible, grad=True)  # s: [bq, bk]
+                             visible=visible, grad=True, operand_grads=grads_ref is not None)  # s: [bq, bk]
       p = jnp.exp2(s - lse_scr[j][:, :1])
       dp = dot(cfg, do_scr[j], v_ref[...], NT)
       keep = dropout_keep(cfg, offsets_ref, step.batch, head, tile)
       if keep is not None:
         dp = dp * keep
-      ds = p * (dp - delta_scr[j][:, :1])
-      if chain is not None:
-        ds = chain(ds)
+      ds = _chained(cfg, chain, p * (dp - delta_scr[j][:, :1]), grads_ref)
       dq_scr[j] += dot(cfg, ds.astype(k.dtype), k, NN)
       return carry
 
@@ -176,8 +184,43 @@ def _dq_kernel(offsets_ref, plan_ref, tiles_ref, *refs, cfg: TpuCall, grid: Grid
       dq_ref[:, j * d:(j + 1) * d] = (dq_scr[j] * cfg.request.scale).astype(dq_ref.dtype)
 
 
+def _grads_output(cfg: TpuCall, refs):
+  """(the operand-gradient output ref or None, the other refs): it follows dQ, the dQ kernel's first
+  output, when `cfg.operand_grads`."""
+  if not cfg.operand_grads:
+    return None, refs
+  dq_at = 8 if cfg.has_segments else 6  # after q, k, v, dO, lse, D [, q_seg, kv_seg] and dQ
+  return refs[dq_at + 1], (*refs[:dq_at + 1], *refs[dq_at + 2:])
+
+
+def _chained(cfg: TpuCall, chain, ds, grads_ref):
+  """dS through the softcap and score_mod (`tile_logits`' chain); with operand gradients, the reads'
+  cotangents are summed into this program's partial."""
+  if chain is None:
+    return ds
+  if grads_ref is None:
+    return chain(ds)
+  ds, reads = chain(ds)
+  rows = grads_ref.shape
+  slots = (jax.lax.broadcasted_iota(jnp.int32, rows, 0) * LANES
+           + jax.lax.broadcasted_iota(jnp.int32, rows, 1))
+  grads_ref[...] = kernel_mods.accumulate(grads_ref[...], slots, cfg.grad_layout, reads, _tile_sum)
+  return ds
+
+
+def _tile_sum(x):
+  """Sum of a [rows, lanes] tile as [1, 1]: lane then sublane reductions, both native to Mosaic."""
+  return jnp.sum(jnp.sum(x, axis=1, keepdims=True), axis=0, keepdims=True)
+
+
+def grad_rows(cfg: TpuCall) -> int:
+  """Sublanes of a program's operand-gradient partial [rows, 128] (whole (8, 128) tiles)."""
+  return round_up(-(-cfg.grad_layout.total // LANES), 8)
+
+
 def _backward(cfg: TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, do, reuse_do: bool):
-  """dq, dk, dv. ``reuse_do``: dO is dead after this call (a VJP's cotangent), so the dQ kernel,
+  """dq, dk, dv and the flat operands' gradients (float32, None for those without one).
+  ``reuse_do``: dO is dead after this call (a VJP's cotangent), so the dQ kernel,
   which runs last and reads each dO tile only while it owns that q block, writes dQ into dO's
   buffer (input_output_aliases): one q-sized buffer less (at 8k tokens on v5e, the only HBM
   temporary left). Token-major operands only: with head-major copies the alias made XLA keep
@@ -209,12 +252,18 @@ def _backward(cfg: TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, do
                                     tile_heads=cfg.dq_heads)
   block_q, heads = grid.block_q, grid.tile_heads
   dq_shape = jax.ShapeDtypeStruct(q.shape, q.dtype)
+  out_shape, out_specs = dq_shape, grid.q_tile(d)
+  if cfg.operand_grads:  # one partial per (batch, head, row) program, summed below
+    partials = (b, h // heads, grid.rows, grad_rows(cfg), LANES)
+    out_shape = [dq_shape, jax.ShapeDtypeStruct(partials, jnp.float32)]
+    out_specs = [out_specs, pl.BlockSpec((None, None, None, *partials[3:]),
+                                         lambda b, h, r, *_: (b, h, r, 0, 0))]
   # K/V are streamed once per q block for every q tile's heads: group / tile_heads times per
   # kv head.
   kv_reads = grid.num_outer * grid.group // heads
   dq = call_kernel(
       _dq_kernel, "flash_layers_bwd_dq", cfg, grid, steps, (offsets, *tables), inputs, specs(grid),
-      dq_shape, grid.q_tile(d),
+      out_shape, out_specs,
       [vmem((heads, block_q, d)), vmem((heads, block_q, LANES)), vmem((heads, block_q, LANES)),
        pltpu.VMEM((heads, block_q, d), q.dtype), pltpu.VMEM((heads, block_q, dv), do.dtype),
        *([pltpu.VMEM((block_q, LANES), jnp.int32)] if cfg.has_segments else [])],
@@ -222,7 +271,10 @@ def _backward(cfg: TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, do
                     nbytes(q, do, lse, delta, dq_shape) + nbytes(k, v) * kv_reads),
       aliases={3: 0} if (reuse_do and cfg.token_major and do.shape == q.shape
                          and do.dtype == q.dtype) else None)
-  return dq, dk, dv_
+  if not cfg.operand_grads:
+    return dq, dk, dv_, tuple(None for _ in cfg.operands)
+  dq, partials = dq
+  return dq, dk, dv_, cfg.grad_layout.split(partials.sum((0, 1, 2)).reshape(-1))
 
 
 def _delta_kernel(o_ref, do_ref, delta_ref):
@@ -257,7 +309,8 @@ def row_delta(cfg: TpuCall, out, d_out):
 
 def backward_from_stats(cfg: TpuCall, q, k, v, q_seg, kv_seg, offsets, ops, lse, delta, d_out,
                         reuse_do: bool = False):
-  """The backward kernels on padded kernel-layout arrays; lse, delta [b, h, 1, q_pad].
+  """(dq, dk, dv, the flat operands' gradients or None each) by the backward kernels on padded
+  kernel-layout arrays; lse, delta [b, h, 1, q_pad].
 
   The kernels recompute P = exp2(S2 - L2) from base-2 logits (`tile_logits`), so lse is handed to them
   in base 2, L2 = L * log2 e: one multiply per row here, fused with the masking below.

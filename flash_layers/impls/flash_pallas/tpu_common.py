@@ -68,6 +68,15 @@ class TpuCall:
     """The operands as a mod sees them inside a kernel (`kernel_mods.Operand`)."""
     return kernel_mods.views(refs, self.operands, self.interpret, "a TPU (Mosaic) kernel")
 
+  @property
+  def operand_grads(self) -> bool:
+    """Whether the dQ kernel accumulates the gradients of score_mod's float operands."""
+    return self.request.has_float_score_operands
+
+  @property
+  def grad_layout(self) -> kernel_mods.GradLayout:
+    return kernel_mods.GradLayout.of(self.operands)
+
 
 def dims(cfg: TpuCall, q, k):
   """(batch, heads, q_pad, kv_pad, head_dim, head_dim_v) of kernel-layout operands."""
@@ -273,12 +282,15 @@ def folded(cfg: TpuCall, x):
 
 
 def tile_logits(cfg: TpuCall | decode.DecodeCall, a, b, *, alibi=None, mod: Mod | None = None,
-                visible=None, grad: bool = False, prescaled: bool = True):
+                visible=None, grad: bool = False, prescaled: bool = True, operand_grads: bool = False):
   """The logits step of every TPU kernel: (s2, chain), the base-2 logits
   log2(e) * cap(score_mod(scale * q.k + alibi)) of a tile in float32, -inf where ``visible`` (a
   `tile_visible` mask, or None: every pair) is False; and, for the backward (``grad``), the chain
   rule from the capped logits' gradient to the raw logits' (the softcap's 1 - tanh^2, then
   score_mod's derivative by `jax.vjp` of the elementwise mod), or None (identity).
+
+  With ``operand_grads`` the chain returns (d raw logits, the reads' cotangents:
+  `kernel_mods.score_vjp`) for `kernel_mods.accumulate`.
 
   ``a @ b^T`` is q.k; `prescaled`: a `folded` operand already carries `fold` (forward, backward),
   else the [rows, bk] tile takes it after the dot (the decode kernel, whose few q rows are used as
@@ -289,13 +301,13 @@ def tile_logits(cfg: TpuCall | decode.DecodeCall, a, b, *, alibi=None, mod: Mod 
     s = s * fold(cfg)
   if alibi is not None:
     s = s + alibi
-  s2, chain = _capped(cfg.request, s, mod, grad)
+  s2, chain = _capped(cfg.request, s, mod, grad, operand_grads)
   if visible is not None:
     s2 = jnp.where(visible, s2, -jnp.inf)
   return s2, chain
 
 
-def _capped(r: Request, s, mod: Mod | None, grad: bool):
+def _capped(r: Request, s, mod: Mod | None, grad: bool, operand_grads: bool = False):
   """`tile_logits`' score_mod and softcap on s (scale * q.k + alibi, in `unit`s): (s2, chain)."""
   if r.score_mod is None:
     if r.softcap is None:
@@ -303,18 +315,13 @@ def _capped(r: Request, s, mod: Mod | None, grad: bool):
     capped = jnp.tanh(s)
     return (r.softcap * LOG2E) * capped, lambda ds: ds * (1.0 - capped * capped)
   # `unit` is 1 with a score_mod: s holds the natural logits it rewrites.
-  def rewrite(x):
-    return mods.score(r.score_mod, x, mod.idx, mod.operands)
-
-  if grad:
-    y, score_vjp = jax.vjp(rewrite, s)
-  else:
-    y, score_vjp = rewrite(s), None
+  y, back = kernel_mods.score_mod_vjp(r.score_mod, s, mod.idx, mod.operands, grad, operand_grads)
   if r.softcap is None:
-    return y * LOG2E, (lambda ds: score_vjp(ds)[0]) if grad else None
+    return y * LOG2E, back
   capped = jnp.tanh(y * (1.0 / r.softcap))
-  chain = (lambda ds: score_vjp(ds * (1.0 - capped * capped))[0]) if grad else None
+  chain = (lambda ds: back(ds * (1.0 - capped * capped))) if grad else None
   return (r.softcap * LOG2E) * capped, chain
+
 
 
 def softmax_update(m_prev, s):
