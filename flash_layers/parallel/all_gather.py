@@ -16,8 +16,9 @@ invisible key blocks (xla_chunked, flash_pallas) then do the same work on every 
 
 Backward: plain autodiff. all_gather's transpose is a reduce-scatter (`psum_scatter`): each device's
 dK/dV of the whole sequence are summed over the axis and each device keeps its own shard. XLA's CPU
-backend keeps it a `reduce-scatter` in the compiled HLO (tests/test_cp_all_gather.py checks the
-compiled gradient program holds one, and an `all-gather` in the forward).
+backend keeps it a `reduce-scatter` in the compiled HLO, not an all-reduce + dynamic-slice
+(tests/test_cp_all_gather.py checks the compiled programs: two all-gathers of the whole K and V in
+the forward, two reduce-scatters to the local dK and dV shards in the gradient, no all-reduce).
 
 Cost per device and layer (for parallel/cost.py), with K+V the bytes of the *global* keys and values
 of this device's batch rows and heads (plus kv segment ids, int32 [b, S], when packed):
@@ -26,7 +27,8 @@ of this device's batch rows and heads (plus kv segment ids, int32 [b, S], when p
   full-length dK and dV before the reduce-scatter. Queries, output and lse stay O(T / n).
 * bytes moved: forward (n-1)/n of K+V received by the all-gather; backward the same (n-1)/n of
   dK+dV (K+V's dtype) in the reduce-scatter. Zig-zag adds, per device, its q shard (and q segment
-  ids) forward and its out + lse back -- and dq, d out in the backward -- each sent once by ppermute.
+  ids) forward and its out + lse back -- and d out, d lse, dq in the backward -- each sent once by
+  ppermute (6 collective-permutes forward, 6 more backward).
 """
 
 from __future__ import annotations
