@@ -109,7 +109,7 @@ GENERATIONS: dict[str, Generation] = {
     # DCN per chip is not on the page: an ASSUMPTION of 25 Gbps, as v5e.
     "v6e": Generation("v6e", 800 * _GB, 25 * _GBIT, 32 * _GB,
                       "cloud.google.com/tpu/docs/v6e; DCN: assumption (as v5e)"),
-    # Generic entries, ASSUMPTIONS all: host devices share memory (10 GB/s "interconnect", 16 GiB),
+    # Generic entries, ASSUMPTIONS all: host devices share memory (20 GB/s both ways, 16 GiB),
     # a networked host 10 Gbps.
     "cpu": Generation("cpu", 20 * _GB, 10 * _GBIT, 16 * GIB, "assumption (simulated host devices)"),
     # An H100-class GPU: NVLink 900 GB/s bidirectional per GPU, one 400 Gbps NIC per GPU, 80 GB HBM
