@@ -379,11 +379,11 @@ CASES = (
     ("64k tokens, 8:8 heads, d 128, causal, 2 slices", (1, 65536, 8, 8, 128), 8, "v5p", 2),
     ("1M tokens, 8:8 heads, d 128, causal", (1, 1048576, 8, 8, 128), 8, "v5e", 1),
     ("1M tokens, 8:8 heads, d 128, causal", (1, 1048576, 8, 8, 128), 8, "v5p", 1),
-    ("32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "v4", 1),
-    ("32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "v5e", 1),
-    ("32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "v6e", 1),
-    ("32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "gpu", 1),
-    ("4k tokens, 8:8 heads, d 64, causal, float32", (2, 4096, 8, 8, 64), 4, "cpu", 1),
+    ("batch 2 x 32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "v4", 1),
+    ("batch 2 x 32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "v5e", 1),
+    ("batch 2 x 32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "v6e", 1),
+    ("batch 2 x 32k tokens, 32:8 heads, d 128, causal", (2, 32768, 32, 8, 128), 8, "gpu", 1),
+    ("batch 2 x 4k tokens, 8:8 heads, d 64, causal, float32", (2, 4096, 8, 8, 64), 4, "cpu", 1),
 )
 
 
