@@ -130,9 +130,9 @@ def test_unknown_strategy_is_named():
 def test_dense_bias_with_a_sequence_split_is_refused(strategy):
   q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _qkv())
   request, args = validate.prepare(q, k, v, bias=jnp.zeros((4, 8, 64, 64), jnp.float32))
-  plan = sharded.make_plan(request, _abstract(sequence=4), strategy=strategy)
-  with pytest.raises(fl.UnsupportedError, match=f"dense bias with a sequence-sharded mesh.*{strategy}"):
-    sharded._check_sequence_split(plan, args)
+  with pytest.raises(fl.UnsupportedError, match=f"{strategy}.*dense bias|dense bias.*{strategy}"):
+    plan = sharded.make_plan(request, _abstract(sequence=4), strategy=strategy)  # the strategy refuses
+    sharded._check_sequence_split(plan, args)  # or the split does, before shard_map
 
 
 def test_operand_layouts_are_checked_by_name():
@@ -163,3 +163,16 @@ def test_user_axis_names_need_a_mapping():
     assert fl.explain(q, k, v, impl="xla_chunked", causal=True, mesh=mesh).sharding == text
   with pytest.raises(ValueError, match="does not have"):
     fl.explain(q, k, v, impl="xla_chunked", mesh=mesh, mesh_axes={"heads": "tensor"})
+
+
+# auto's choice through fl.explain, on abstract meshes (the cost model's table: tests/test_cp_cost.py).
+@pytest.mark.parametrize("length, heads, kv_heads, sizes, strategy", [
+    (131072, 16, 4, dict(sequence=8), "ulysses"),   # long, heads >= devices: two all-to-alls move least
+    (8192, 16, 1, dict(sequence=8), "all_gather"),  # one kv head at moderate length: gather K/V
+    (4096, 6, 2, dict(sequence=4), "all_gather"),   # 6 heads do not split 4 ways: no Ulysses
+])
+def test_explain_names_autos_strategy(length, heads, kv_heads, sizes, strategy):
+  q = jax.ShapeDtypeStruct((1, length, heads, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, length, kv_heads, 128), jnp.bfloat16)
+  text = fl.explain(q, k, k, impl="xla_chunked", causal=True, mesh=_abstract(**sizes)).sharding
+  assert f"strategy {strategy} (auto on" in text and "MiB/chip/layer" in text, text

@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as P
 
 import flash_layers as fl
 from flash_layers import parallel
-from flash_layers.parallel import sharded
+from flash_layers.parallel import ulysses
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = Path(__file__).resolve().parent / "parallel_worker.py"
@@ -254,7 +254,7 @@ def _shapes(batch=4, length=64, heads=8, kv_heads=2, head_dim=16):
     (6, 3, 2, 3, (0, 0, 1, 1, 2, 2)),      # shards straddle groups: one kv head per local head
 ])
 def test_kv_heads_each_shard_gets_what_it_reads(heads, kv_heads, tensor, local, index):
-  got_local, got_index = sharded._kv_heads_plan(heads, kv_heads, tensor)
+  got_local, got_index = ulysses.kv_heads_plan(heads, kv_heads, tensor)
   assert (got_local, got_index) == (local, index)
   # Independently: local query head j of shard s must read global kv head (s*m + j) // group.
   per_shard, group = heads // tensor, heads // kv_heads

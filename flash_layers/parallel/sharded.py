@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import types
 from typing import Any
 
 import jax
@@ -27,13 +28,17 @@ from jax.sharding import PartitionSpec as P
 
 from flash_layers import auto, dispatch, lowering
 from flash_layers.impls import Args, Request, UnsupportedError
-from flash_layers.parallel import context, ring
+from flash_layers.parallel import all_gather, context, cost, ring, ulysses
 from flash_layers.parallel import mesh as mesh_lib
 from flash_layers.parallel import operands as operands_lib
 from flash_layers.parallel.context import AUTO_STRATEGY
 
-# The strategies besides the ring (which sharded_attend calls with its own RingConfig), by name.
-STRATEGY_MODULES: dict[str, Any] = {"ring": ring}
+# The strategies besides the ring (which sharded_attend calls with its own RingConfig), by name:
+# each has attention / refusal / local_request (parallel/context.py).
+STRATEGY_MODULES: dict[str, Any] = {
+    "ring": ring, "ulysses": ulysses, "all_gather": all_gather,
+    "ulysses_ring": types.SimpleNamespace(attention=ulysses.hybrid_attention, refusal=ulysses.hybrid_refusal,
+                                          local_request=ulysses.hybrid_local_request)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,20 +104,6 @@ def resolve_mesh(mesh) -> Any | None:
   return mesh
 
 
-def _kv_heads_plan(num_heads: int, num_kv_heads: int, tensor: int):
-  """(local kv heads, gather index or None) for splitting heads `tensor` ways."""
-  if tensor == 1 or num_kv_heads % tensor == 0:
-    return num_kv_heads // tensor, None
-  per_shard = num_heads // tensor
-  group = num_heads // num_kv_heads
-  # One kv head serves all of a shard's query heads, or the shard's heads straddle groups
-  # unevenly and each local query head gets its own kv head.
-  local = 1 if group % per_shard == 0 else per_shard
-  step = per_shard // local
-  index = tuple((s * per_shard + j * step) // group for s in range(tensor) for j in range(local))
-  return local, index
-
-
 def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
               strategy: str = AUTO_STRATEGY, group: int | None = None, operand_layouts: tuple = (),
               operand_shapes: tuple = ()) -> Plan:
@@ -131,7 +122,7 @@ def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
       raise ValueError(f"{name}={value} must be divisible by the mesh's {axis} size ({shards}) "
                        f"to shard attention over mesh {dict(mesh.shape)}")
   operands_lib.check_divides(operand_layouts, operand_shapes, {"batch": batch_shards, "heads": tensor})
-  local_kv_heads, kv_gather = _kv_heads_plan(request.num_heads, request.num_kv_heads, tensor)
+  local_kv_heads, kv_gather = ulysses.kv_heads_plan(request.num_heads, request.num_kv_heads, tensor)
   block = dataclasses.replace(
       request, batch=request.batch // batch_shards, num_heads=request.num_heads // tensor,
       num_kv_heads=local_kv_heads)
@@ -141,7 +132,7 @@ def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
     return Plan(**plan, strategy=None, group=1, chunks=1, block=block, local=block)
   # A block mask's tile flags are for the whole sequence: each shard builds its own from the mask_mod.
   block = dataclasses.replace(block, block_mask_tiles=None)
-  strategy, group, reason = _choose_strategy(block, sequence, strategy, group)
+  strategy, group, reason = _choose_strategy(block, sequence, strategy, group, mesh)
   if strategy == "ring":
     # Zig-zag balances causal work; windows are local already and keep the contiguous layout.
     zigzag = (block.spec.causal and block.spec.window is None
@@ -154,29 +145,52 @@ def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
   return Plan(**plan, strategy=strategy, group=group, chunks=1, block=block, local=local, reason=reason)
 
 
-def _choose_strategy(block: Request, size: int, strategy: str, group: int | None):
+def _generation(mesh) -> str:
+  """The TPU generation (or "cpu" / "gpu") whose bandwidths auto's cost model uses."""
+  try:
+    devices = mesh.devices  # an AbstractMesh has none: its platform decides
+  except (AttributeError, ValueError):
+    devices = None
+  kind = None
+  if devices is not None and getattr(devices, "size", 0):
+    kind = getattr(devices.flat[0], "device_kind", None)
+  platform = lowering.only_platform() or lowering.default_platform()
+  try:
+    return cost.generation_of(kind or platform)
+  except ValueError:
+    return {"tpu": "v5p", "cuda": "gpu", "rocm": "gpu"}.get(platform, "cpu")
+
+
+def _auto_strategy(block: Request, size: int, mesh):
+  """auto: the cost model's cheapest strategy that also serves the call (parallel/cost.py)."""
+  generation = _generation(mesh)
+  allowed = tuple(s for s in context.STRATEGIES if s in ("ring", "ulysses", "all_gather", "ulysses_ring"))
+  try:
+    strategy, group, reason, _ = cost.choose(block, size, generation, allowed=allowed)
+  except ValueError:
+    return "ring", 1, "auto: the cost model finds no other strategy feasible; the ring"
+  group = group or 1
+  module = STRATEGY_MODULES[strategy]
+  why = None if strategy == "ring" else module.refusal(block, size, group)
+  if why is not None:
+    return "ring", 1, f"auto: {strategy} cannot serve the call ({why}); the ring"
+  return strategy, group, f"auto on {generation}: {reason}"
+
+
+def _choose_strategy(block: Request, size: int, strategy: str, group: int | None, mesh=None):
   """(strategy, group, reason): the asked-for strategy if it serves the call (else UnsupportedError
   naming it), or auto's choice."""
   if strategy not in (*context.STRATEGIES, AUTO_STRATEGY):
     raise ValueError(f"context_parallel must be one of {(*context.STRATEGIES, AUTO_STRATEGY)}; "
                      f"got {strategy!r}")
   if strategy == AUTO_STRATEGY:
-    return "ring", 1, "auto: the ring"
-  group = 1 if strategy != "ulysses_ring" else (group or _default_group(block, size))
+    return _auto_strategy(block, size, mesh)
+  group = 1 if strategy != "ulysses_ring" else (group or cost.ulysses_ring_group(block, size) or 1)
   module = STRATEGY_MODULES.get(strategy)
   why = None if module is None or strategy == "ring" else module.refusal(block, size, group)
   if why is not None:
     raise UnsupportedError(f"context_parallel={strategy!r} cannot serve this call: {why}")
   return strategy, group, "asked for"
-
-
-def _default_group(block: Request, size: int) -> int:
-  """ulysses_ring's group when none is given: the largest proper divisor of the sequence size that
-  also divides the heads (Ulysses inside, as wide as the heads allow)."""
-  for g in range(size - 1, 1, -1):
-    if size % g == 0 and block.num_heads % g == 0:
-      return g
-  return 1
 
 
 def _shard_map(f, plan: Plan, in_specs, out_specs):
