@@ -33,6 +33,8 @@ def _parse(argv):
                            masks=("causal", "full", "packed", "causal+packed"))
   parser.add_argument("--data", type=int, default=1)
   parser.add_argument("--tensor", type=int, default=1)
+  parser.add_argument("--context-parallel", default="ring",
+                      help="strategy over the sequence axis: ring, ulysses, all_gather, ulysses_ring, auto")
   return parser.parse_args(argv)
 
 
@@ -67,7 +69,8 @@ def compile_ring(args) -> dict:
 
   def loss(q, k, v, segment_ids):
     out = fl.attention(q, k, v, impl=args.impl, causal="causal" in args.mask,
-                       segment_ids=segment_ids if "packed" in args.mask else None, mesh=mesh)
+                       segment_ids=segment_ids if "packed" in args.mask else None, mesh=mesh,
+                       context_parallel=args.context_parallel)
     return jnp.sum(jnp.square(out.astype(jnp.float32)))
 
   step = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2)),
@@ -78,7 +81,8 @@ def compile_ring(args) -> dict:
     # Under the mesh the kernels see the chip generation (their tile sizes follow it).
     compiled = step.lower(q, kv, kv, seg).compile()
   # Outside the mesh: explain's block counts run eagerly, on this host.
-  sharding = fl.explain(q, kv, kv, impl=args.impl, causal="causal" in args.mask, mesh=mesh).sharding
+  sharding = fl.explain(q, kv, kv, impl=args.impl, causal="causal" in args.mask, mesh=mesh,
+                         context_parallel=args.context_parallel).sharding
   memory = compiled.memory_analysis()
   text = compiled.as_text()
   full_kv_bytes = args.batch * args.seq_len * kv_heads * args.head_dim * dtype.itemsize

@@ -88,12 +88,13 @@ BF16_CONFIGS = (
 # Our interpreted kernels (seconds per configuration) run bfloat16 on fewer of them, which still
 # hold every feature they serve: tails, several blocks, GQA/MQA, batch, cross lengths, packed
 # segments, rows that see no key, windows, global tokens, head_dim 80 and head_dim_v != head_dim,
-# softcap, ALiBi, dropout (broadcast and not), a mask_mod with an operand and a score_mod.
+# softcap, ALiBi, dropout (broadcast and not), a mask_mod with an operand and a score_mod whose
+# table takes gradients.
 INTERPRETED_BF16 = (
     "len7_mqa", "len333_causal_h8_kv2", "cross_packed_batch3", "d80", "dv128_d32_causal_gqa",
     "orphan_rows_cross_causal", "causal_window_packed_batch3", "softcap_causal_gqa_packed",
     "global_cross_packed", "dropout05_broadcast_batch2", "alibi_h6_kv2_dropout_softcap_window",
-    "sinks_orphans_causal_gqa_batch2", "decode_ragged_causal_8k_q4_mqa", "mod_prefix_lm_gqa_batch2",
+    "sinks_orphans_causal_gqa_batch2", "decode_ragged_causal_8k_q4_mqa", "mod_t5_prefix_gqa_batch2",
     "mod_softcap_as_score_mod_causal")
 
 F32_TOL = 1e-5

@@ -35,9 +35,12 @@ from conftest import subprocess_xla_flags  # noqa: E402
 SEQUENCE_MESHES = [name for name, sizes in cp_worker.MESHES if "sequence" in sizes]
 OTHER_MESHES = [name for name, sizes in cp_worker.MESHES if "sequence" not in sizes]
 STRATEGIES = fl.parallel.STRATEGIES
-# A strategy that cannot serve a (request, mesh) must refuse it with these words; none expected
-# in this table, whose shapes every strategy divides (8 heads, 64 tokens, 4 sequence devices).
-REFUSALS: dict[tuple[str, str, str], str] = {}
+# (impl, request, mesh, strategy) that must be refused, with these words. The shapes divide for every
+# strategy (8 heads, 64 tokens, 4 sequence devices); the flash kernels read mods with shard-local batch
+# rows and heads, so a mod on a head split (Ulysses) is refused for them.
+REFUSALS: dict[tuple[str, str, str, str], str] = {
+    ("flash_pallas", request, "sequence", strategy): "shard-local batch rows and heads"
+    for request in ("prefix_lm", "t5_table") for strategy in ("ulysses", "ulysses_ring")}
 
 
 def _run(args, timeout=900) -> list[dict]:
@@ -54,7 +57,7 @@ def _check(results: list[dict], expected_cases: int) -> None:
   failures = []
   for r in results:
     where = f"{r['impl']} {r['request']} on {r['mesh']} with {r['strategy']}"
-    refusal = REFUSALS.get((r["request"], r["mesh"], r["strategy"]))
+    refusal = REFUSALS.get((r["impl"], r["request"], r["mesh"], r["strategy"]))
     if refusal is not None:
       if refusal not in r.get("refused", ""):
         failures.append(f"{where}: expected a refusal naming {refusal!r}; got {r}")
@@ -90,11 +93,11 @@ def test_reference_on_every_strategy():
   _check(results, len(requests) * (1 + len(STRATEGIES)))
 
 
-# The flash kernels, interpreted (TPU family on a CPU host): a causal, a mask_mod and a trainable
-# table, each strategy once on the tensor x sequence mesh.
+# The flash kernels, interpreted (TPU family on a CPU host): packed documents, a mask_mod with a per-row
+# operand and a trainable table, each strategy once on the sequence mesh.
 def test_interpreted_flash_kernels_on_every_strategy():
   requests = ["packed", "prefix_lm", "t5_table"]
-  results = _run(["flash_pallas", ",".join(STRATEGIES), ",".join(requests), "tensor_sequence"])
+  results = _run(["flash_pallas", ",".join(STRATEGIES), ",".join(requests), "sequence"])
   _check(results, len(requests) * len(STRATEGIES))
 
 
@@ -176,3 +179,9 @@ def test_explain_names_autos_strategy(length, heads, kv_heads, sizes, strategy):
   k = jax.ShapeDtypeStruct((1, length, kv_heads, 128), jnp.bfloat16)
   text = fl.explain(q, k, k, impl="xla_chunked", causal=True, mesh=_abstract(**sizes)).sharding
   assert f"strategy {strategy} (auto on" in text and "MiB/chip/layer" in text, text
+
+
+def test_flash_kernels_refuse_mods_on_a_batch_or_head_split():
+  q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _qkv())  # refused before shard_map needs devices
+  with pytest.raises(fl.UnsupportedError, match="splits the batch: its kernels read the mods"):
+    fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.causal(), mesh=_abstract(data=2))

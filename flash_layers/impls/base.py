@@ -57,6 +57,8 @@ Features (a claim, no method; the tests check each by running it):
   gather), which the Pallas kernels cannot lower.
 * ``dropout``: serves attention dropout (``unsupported`` says so for each request too; the training
   config refuses an impl without it before any compile).
+* ``sharded_mods``: a mod sees the *global* batch row and head on a shard of a mesh (Args.batch_offset,
+  head_offset); parallel/sharded.py refuses mods on a batch or head split for an impl without it.
 * ``retiles_block_mask``: a kernel whose tiles may differ from a prebuilt block_mask's builds its own
   tile flags for them (explain says so).
 
@@ -157,7 +159,8 @@ class Args:
 # exists and takes the arguments below. Features: a claim the tests check by running it.
 METHOD_CAPABILITIES = ("attention_backward", "block_stats", "grid_steps", "decode_unserved", "tuning_space",
                        "cpu_loop_tile")
-FEATURE_CAPABILITIES = ("traced_offsets", "sow_weights", "mod_gathers", "dropout", "retiles_block_mask")
+FEATURE_CAPABILITIES = ("traced_offsets", "sow_weights", "mod_gathers", "dropout", "retiles_block_mask",
+                        "sharded_mods")
 CAPABILITIES = METHOD_CAPABILITIES + FEATURE_CAPABILITIES
 
 

@@ -42,7 +42,7 @@ def _probabilities(q, k, request: Request, args: Args):
 
 class Reference:
   name = "reference"
-  capabilities = frozenset({"traced_offsets", "sow_weights", "mod_gathers", "dropout"})
+  capabilities = frozenset({"traced_offsets", "sow_weights", "mod_gathers", "dropout", "sharded_mods"})
 
   def unsupported(self, request: Request, platform: str) -> str | None:
     return None

@@ -372,7 +372,7 @@ class XlaChunked:
 
   name = "xla_chunked"
   capabilities = frozenset({"attention_backward", "block_stats", "traced_offsets", "mod_gathers", "dropout",
-                            "tuning_space", "cpu_loop_tile"})
+                            "sharded_mods", "tuning_space", "cpu_loop_tile"})
   block_size_types = (CpuBlockSizes,)
 
   def __init__(self, block_q: int = DEFAULT_BLOCK_Q, block_kv: int = DEFAULT_BLOCK_KV):

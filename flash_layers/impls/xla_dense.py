@@ -247,7 +247,7 @@ class XlaDense:
 
   name = "xla_dense"
   capabilities = frozenset({"attention_backward", "traced_offsets", "sow_weights", "mod_gathers", "dropout",
-                            "tuning_space", "cpu_loop_tile"})
+                            "sharded_mods", "tuning_space", "cpu_loop_tile"})
   block_size_types = (CpuBlockSizes,)  # only its loop_bytes: the logits are never tiled
 
   def tuning_space(self, request: Request, platform: str) -> list[CpuBlockSizes | None]:

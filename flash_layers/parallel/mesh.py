@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -321,9 +322,14 @@ def resolve_axes(mesh, mesh_axes=None) -> MeshAxes:
 
 
 def _from_logical_rules() -> MeshAxes | None:
-  """The MeshAxes flax's current `logical_axis_rules` imply, or None when they map none of ours."""
+  """The MeshAxes flax's current `logical_axis_rules` imply, or None when they map none of ours.
+
+  Read through sys.modules: rules can only be in force when flax's partitioning module has been
+  imported, and this package must not import flax for a Haiku or plain-JAX caller."""
+  partitioning = sys.modules.get("flax.linen.partitioning")
+  if partitioning is None:
+    return None
   try:
-    from flax.linen import partitioning
     rules = dict(partitioning.get_axis_rules())
   except Exception:  # noqa: BLE001 -- no flax rules in force
     return None

@@ -27,7 +27,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from flash_layers import auto, dispatch, lowering
-from flash_layers.impls import Args, Request, UnsupportedError
+from flash_layers.impls import Args, Request, UnsupportedError, registry
 from flash_layers.parallel import all_gather, context, cost, ring, ulysses
 from flash_layers.parallel import mesh as mesh_lib
 from flash_layers.parallel import operands as operands_lib
@@ -207,6 +207,7 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
   """`dispatch.attend`, split over `plan.mesh`; returns the global (out, lse)."""
   auto.resolve(impl, plan.local, lowering.default_platform())  # an explicit impl refuses here
   _check_sequence_split(plan, args)
+  _check_mods_split(impl, plan)
   offsets = {name: x for name, x in (("q_offset", args.q_offset), ("kv_offset", args.kv_offset))
              if not (isinstance(x, int) and x == 0)}
   static_offsets = {name: x for name, x in offsets.items() if isinstance(x, int)}
@@ -271,6 +272,20 @@ def sharded_attend(query, key, value, *, impl: str, request: Request, args: Args
   out_specs = (heads_spec, P(batch, tensor, sequence))
   operands = _match_explicit_axes(plan, operands, in_specs)
   return _shard_map(local_call, plan, in_specs, out_specs)(*operands)
+
+
+def _check_mods_split(impl: str, plan: Plan) -> None:
+  """Mods on a batch or head split need an impl that hands them global rows and heads."""
+  heads_split = plan.tensor > 1 or plan.strategy in ("ulysses", "ulysses_ring")
+  if not plan.local.has_mods or not (plan.batch_axes or heads_split):
+    return
+  name = auto.choose(impl, plan.local, lowering.default_platform())[0]
+  if not registry.impl_has(name, "sharded_mods"):
+    split = "batch and heads" if plan.batch_axes and heads_split else "batch" if plan.batch_axes else "heads"
+    raise UnsupportedError(
+        f"mask_mod/score_mod with impl {name!r} on a mesh that splits the {split}: its kernels read the mods "
+        "with shard-local batch rows and heads; use a mesh that splits only the sequence with the ring or "
+        f"all_gather, or impl= one of {list(registry.impls_with('sharded_mods'))}")
 
 
 def _check_sequence_split(plan: Plan, args: Args) -> None:
