@@ -10,7 +10,7 @@
   attention alone and of a training step.
 * `python -m benchmarks.memory --steps 600` — a long training run's resident
   memory and live device arrays, which must plateau after warm-up.
-* `python -m benchmarks.tpu_aot`, `ring_aot`, `tpu_grid` — TPU memory, FLOPs and grid
+* `python -m benchmarks.tpu_aot`, `cp_aot`, `tpu_grid` — TPU memory, FLOPs and grid
   steps compiled or traced on a CPU host (libtpu, no TPU).
 * `python -m benchmarks.docs_numbers --check | --write` — the numbers in README.md
   and docs/ against the files in benchmarks/results/ that they come from.

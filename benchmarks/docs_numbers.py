@@ -442,6 +442,29 @@ REGISTRY.update({
     "tpucheck.dry_cpu_s": Number(_STRICT, "tpu_check_dry_run.cpu_seconds_total", ".1f"),
 })
 
+# Context-parallel strategies compiled for TPU pods (`python -m benchmarks.cp_aot --sweep`): one
+# entry per column of the table `--table` prints, for every case the sweep compiled (not refused).
+_CP_AOT = "cp-aot-2026-12-06.json"
+
+
+def _cp_aot_numbers() -> dict[str, Number]:
+  from benchmarks import cp_aot
+  path = RESULTS / _CP_AOT
+  if not path.is_file():
+    return {}
+  numbers = {}
+  for case in json.loads(path.read_text())["cases"]:
+    if "refused" in case:
+      continue
+    for _, key, field, scale, fmt in cp_aot.TABLE_COLUMNS:
+      numbers[f"{cp_aot.case_key(case)}.{key}"] = Number(_CP_AOT, f"{cp_aot.case_selector(case)}.{field}",
+                                                          f",{fmt}", scale)
+  numbers["cpaot.date"] = Number(_CP_AOT, "date", "s")
+  return numbers
+
+
+REGISTRY.update(_cp_aot_numbers())
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading a number.

@@ -79,7 +79,7 @@ def side_by_side(results: list[dict]) -> str:
 
 def add_problem_args(parser: argparse.ArgumentParser, *, heads: int, head_dim: int,
                      masks: tuple[str, ...]) -> None:
-  """The attention problem both AOT commands compile (this one and `ring_aot`)."""
+  """The attention problem both AOT commands compile (this one and `cp_aot`)."""
   parser.add_argument("--seq-len", type=int, default=32768)
   parser.add_argument("--batch", type=int, default=1)
   parser.add_argument("--heads", type=int, default=heads)

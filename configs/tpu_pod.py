@@ -39,6 +39,6 @@ def get_config():
   c.mesh.data = 1
   c.mesh.fsdp = -1  # params, grads and Adam state sharded over all the rest (ZeRO-3)
   c.mesh.tensor = 1
-  c.mesh.sequence = 4  # ring attention over 4 chips: 2,048 tokens per chip
+  c.mesh.sequence = 4  # context parallelism over 4 chips, 2,048 tokens each (the dry run names the strategy)
   c.mesh.dcn_data = -1  # several slices (--aot_num_slices): data-parallel across them, over DCN
   return c

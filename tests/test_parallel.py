@@ -181,9 +181,9 @@ def test_ring_flash_pallas_compiles_for_v5p_slice():
   pytest.importorskip("libtpu")
   length = 12288
   proc = subprocess.run(
-      [sys.executable, "-m", "benchmarks.ring_aot", "--topology", "v5p:2x2x2",
+      [sys.executable, "-m", "benchmarks.cp_aot", "--topology", "v5p:2x2x2",
        "--seq-len", str(length), "--heads", "4", "--kv-heads", "2", "--head-dim", "64",
-       "--mask", "causal+packed", "--json"],
+       "--mask", "causal+packed", "--context-parallel", "ring", "--json"],
       env=dict(_env(1), ALLOW_MULTIPLE_LIBTPU_LOAD="1"), cwd=ROOT, capture_output=True, text=True,
       timeout=600)
   assert proc.returncode == 0, proc.stderr[-5000:]

@@ -324,13 +324,13 @@ def resolve_axes(mesh, mesh_axes=None) -> MeshAxes:
 def _from_logical_rules() -> MeshAxes | None:
   """The MeshAxes flax's current `logical_axis_rules` imply, or None when they map none of ours.
 
-  Read through sys.modules: rules can only be in force when flax's partitioning module has been
+  Read through sys.modules: rules can only be in force when flax's spmd module has been
   imported, and this package must not import flax for a Haiku or plain-JAX caller."""
-  partitioning = sys.modules.get("flax.linen.partitioning")
-  if partitioning is None:
+  spmd = sys.modules.get("flax.core.spmd")  # where flax keeps the rules `logical_axis_rules` sets
+  if spmd is None:
     return None
   try:
-    rules = dict(partitioning.get_axis_rules())
+    rules = dict(spmd.get_logical_axis_rules())
   except Exception:  # noqa: BLE001 -- no flax rules in force
     return None
   found: dict[str, tuple[str, ...]] = {}
