@@ -152,6 +152,7 @@ def compile_case(args) -> dict:
   by_kind: dict[str, int] = {}
   for c in found:
     by_kind[c.kind] = by_kind.get(c.kind, 0) + c.bytes_per_step
+  sent = [c.sent_bytes_per_step for c in found if c.network == "ici"]
   result.update({
       "per_chip_bytes": {"arguments": memory.argument_size_in_bytes,
                          "outputs": memory.output_size_in_bytes,
@@ -161,6 +162,9 @@ def compile_case(args) -> dict:
       "collectives": {op: len(re.findall(rf"\b{op}(?:-start)?\(", text)) for op in COLLECTIVES},
       "collective_bytes_per_step_per_chip": traffic,
       "collective_bytes_by_kind": dict(sorted(by_kind.items())),
+      # What the links carry, by each kind's textbook algorithm (Collective.sent_bytes_per_step):
+      # comparable with the cost model's bytes sent per chip.
+      "ici_sent_bytes_per_step_per_chip": None if None in sent else sum(sent),
       # Any array with a dimension of the full length would be a gathered sequence.
       "full_length_shapes": sorted(set(re.findall(rf"\w+\[[0-9,]*\b{args.seq_len}\b[0-9,]*\]", text)))[:10],
       "mosaic_kernels": text.count("tpu_custom_call"),
@@ -229,7 +233,8 @@ TABLE_COLUMNS = (
      2**-20, ".1f"),
     ("DCN / chip / step (MiB)", "dcn_mib", "collective_bytes_per_step_per_chip.dcn_bytes_per_step_per_chip",
      2**-20, ".1f"),
-    ("model (MiB)", "model_mib", "modelled.bytes", 2**-20, ".1f"),
+    ("ICI sent / chip / step (MiB)", "sent_mib", "ici_sent_bytes_per_step_per_chip", 2**-20, ".1f"),
+    ("model: sent (MiB)", "model_mib", "modelled.bytes", 2**-20, ".1f"),
 )
 
 

@@ -88,3 +88,27 @@ def test_the_pod_dry_run_reports_the_strategy_its_bytes_and_memory():
   ring = aot.attention_report(config, mesh)
   assert ring["strategy"] == "ring" and ring["reason"] == "asked for"
   assert ring["modelled_bytes_per_chip_per_layer"] > report["modelled_bytes_per_chip_per_layer"]
+
+
+def test_auto_prices_a_sequence_axis_that_spans_slices_over_dcn():
+  """A hand-built mesh whose sequence axis crosses two v5e slices (make_mesh never builds one): auto's
+  reason names the DCN bytes, and ulysses_ring's groups stay inside a slice so only its ring crosses."""
+  pytest.importorskip("libtpu")
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  import flash_layers as fl
+  from flash_layers.parallel import cost
+  from flash_layers.training import aot
+
+  devices = sorted(aot.topology_devices("v5e:2x2", num_slices=2), key=lambda d: (d.slice_index, d.id))
+  mesh = jax.sharding.Mesh(np.asarray(devices), ("sequence",))
+  q = jax.ShapeDtypeStruct((1, 65536, 8, 128), jnp.bfloat16)
+  text = fl.explain(q, q, q, impl="xla_chunked", causal=True, mesh=mesh).sharding
+  block = cost.make_request(1, 65536, 8, 8, 128)
+  strategy, group, reason, _ = cost.choose(block, 8, "v5e", dcn_groups=2)
+  assert f"strategy {strategy}" in text and reason in text, text
+  assert "DCN" in reason and reason != cost.choose(block, 8, "v5e")[2]  # one slice: no DCN at all
+  hybrid = fl.explain(q, q, q, impl="xla_chunked", causal=True, mesh=mesh, context_parallel="ulysses_ring")
+  assert "Ulysses in groups of 4" in hybrid.sharding

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -132,7 +133,8 @@ def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
     return Plan(**plan, strategy=None, group=1, chunks=1, block=block, local=block)
   # A block mask's tile flags are for the whole sequence: each shard builds its own from the mask_mod.
   block = dataclasses.replace(block, block_mask_tiles=None)
-  strategy, group, reason = _choose_strategy(block, sequence, strategy, group, mesh)
+  strategy, group, reason = _choose_strategy(block, sequence, strategy, group, mesh,
+                                             _sequence_slices(mesh, axes.sequence))
   if strategy == "ring":
     # Zig-zag balances causal work; windows are local already and keep the contiguous layout.
     zigzag = (block.spec.causal and block.spec.window is None
@@ -161,12 +163,27 @@ def _generation(mesh) -> str:
     return {"tpu": "v5p", "cuda": "gpu", "rocm": "gpu"}.get(platform, "cpu")
 
 
-def _auto_strategy(block: Request, size: int, mesh):
-  """auto: the cost model's cheapest strategy that also serves the call (parallel/cost.py)."""
+def _sequence_slices(mesh, axis: str) -> int:
+  """How many slices (devices' `slice_index`) the mesh's sequence axis spans: 1 for an AbstractMesh
+  and for meshes from `make_mesh`, which keeps the sequence inside a slice."""
+  try:
+    devices = mesh.devices
+  except (AttributeError, ValueError):
+    return 1
+  if not getattr(devices, "size", 0):
+    return 1
+  at = list(mesh.axis_names).index(axis)
+  line = np.moveaxis(np.asarray(devices), at, 0).reshape(devices.shape[at], -1)[:, 0]
+  return len({getattr(d, "slice_index", 0) for d in line})
+
+
+def _auto_strategy(block: Request, size: int, mesh, dcn_groups: int = 1):
+  """auto: the cost model's cheapest strategy that also serves the call (parallel/cost.py); a
+  sequence axis spanning slices puts the bytes that leave a slice on DCN."""
   generation = _generation(mesh)
   allowed = tuple(s for s in context.STRATEGIES if s in ("ring", "ulysses", "all_gather", "ulysses_ring"))
   try:
-    strategy, group, reason, _ = cost.choose(block, size, generation, allowed=allowed)
+    strategy, group, reason, _ = cost.choose(block, size, generation, dcn_groups, allowed=allowed)
   except ValueError:
     return "ring", 1, "auto: the cost model finds no other strategy feasible; the ring"
   group = group or 1
@@ -177,15 +194,19 @@ def _auto_strategy(block: Request, size: int, mesh):
   return strategy, group, f"auto on {generation}: {reason}"
 
 
-def _choose_strategy(block: Request, size: int, strategy: str, group: int | None, mesh=None):
+def _choose_strategy(block: Request, size: int, strategy: str, group: int | None, mesh=None,
+                     dcn_groups: int = 1):
   """(strategy, group, reason): the asked-for strategy if it serves the call (else UnsupportedError
   naming it), or auto's choice."""
   if strategy not in (*context.STRATEGIES, AUTO_STRATEGY):
     raise ValueError(f"context_parallel must be one of {(*context.STRATEGIES, AUTO_STRATEGY)}; "
                      f"got {strategy!r}")
   if strategy == AUTO_STRATEGY:
-    return _auto_strategy(block, size, mesh)
-  group = 1 if strategy != "ulysses_ring" else (group or cost.ulysses_ring_group(block, size) or 1)
+    return _auto_strategy(block, size, mesh, dcn_groups)
+  if strategy == "ulysses_ring":
+    group = group or cost.ulysses_ring_group(block, size, dcn_groups) or 1
+  else:
+    group = 1
   module = STRATEGY_MODULES.get(strategy)
   why = None if module is None or strategy == "ring" else module.refusal(block, size, group)
   if why is not None:

@@ -45,10 +45,25 @@ class Collective:
   axes: tuple[str, ...] | None  # mesh axes its groups span; None when the groups could not be read
   op_name: str = ""  # the jax operation it came from (HLO metadata), for messages
   exact: bool = True  # False inside a loop whose trip count could not be read (counted as one trip)
+  group_size: int | None = None  # devices per replica group (2 for a permute pair); None: unread
 
   @property
   def bytes_per_step(self) -> int:
     return self.payload_bytes * self.executions
+
+  @property
+  def sent_bytes_per_step(self) -> float | None:
+    """Bytes one chip puts on links per step, by the textbook algorithm of its kind over a group of
+    n: a permute sends its buffer; an all-gather, all-to-all or reduce-scatter sends (n-1)/n of its
+    payload (the rest is the chip's own share); a ring all-reduce (a reduce-scatter, then an
+    all-gather) 2 (n-1)/n. None for DCN transfers and unread groups."""
+    n = self.group_size
+    if self.network != "ici" or not n:
+      return None
+    if self.kind == "collective-permute":
+      return float(self.bytes_per_step)
+    factor = 2 * (n - 1) / n if self.kind == "all-reduce" else (n - 1) / n
+    return self.bytes_per_step * factor
 
 
 # ----------------------------------------------------------------------------
@@ -287,7 +302,8 @@ def collectives(hlo_text: str, mesh) -> list[Collective]:
       cross = groups is not None and any(len({getattr(d, "slice_index", 0) for d in g}) > 1 for g in groups)
       network = "dcn" if cross else "ici"
       found.append(Collective(kind, instr.name, _payload(instr, shapes), runs[comp], network,
-                              None if groups is None else _axes(groups, mesh), op_name, comp not in guessed))
+                              None if groups is None else _axes(groups, mesh), op_name, comp not in guessed,
+                              None if local is None else max(len(g) for g in local)))
   return found
 
 
