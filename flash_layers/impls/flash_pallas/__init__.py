@@ -31,7 +31,7 @@ from flash_layers import lowering
 from flash_layers.contract import block_info, mods
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
-from flash_layers.impls.flash_pallas import decode, kernel_mods
+from flash_layers.impls.flash_pallas import decode, kernel_mods, scalar_table
 from flash_layers.impls.flash_pallas.tuning_space import space as _tuning_space
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
@@ -163,12 +163,14 @@ class FlashPallas:
     block_q, block_kv = _family(family).block_shape(request, platform)
     tiles = None
     if request.mask_mod is not None:  # the tiles the mask_mod leaves empty are not visited
-      if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
+      if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+             for x in (*args.mod_operands, args.batch_offset, args.head_offset)):
         return None
 
       def tiles():
-        return kernel_mods.request_tile_flags(request, args.mod_operands, args.q_offset, args.kv_offset,
-                                      block_q, block_kv)
+        return kernel_mods.request_tile_flags(
+            request, args.mod_operands, scalar_table.Offsets(args.q_offset, args.kv_offset),
+            scalar_table.Origin(args.batch_offset, args.head_offset), block_q, block_kv)
     return block_info.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)
