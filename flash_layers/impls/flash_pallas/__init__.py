@@ -123,8 +123,10 @@ def _where(platform: str | None) -> str:
 
 class FlashPallas:
   name = "flash_pallas"
+  # sharded_mods: both families add the scalar table's batch and head offsets to a program's row and head
+  # before evaluating a mod (kernel_mods, scalar_table.origin), so a shard's mods see global indices.
   capabilities = frozenset({"attention_backward", "block_stats", "grid_steps", "traced_offsets", "dropout",
-                            "retiles_block_mask", "decode_unserved", "tuning_space"})
+                            "retiles_block_mask", "decode_unserved", "tuning_space", "sharded_mods"})
   block_size_types = (BlockSizes, GpuBlockSizes)  # the family lowered for checks its own again
   tuning_space = staticmethod(_tuning_space)  # tuning_space.py
 
