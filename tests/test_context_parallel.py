@@ -5,8 +5,9 @@ Eight simulated CPU devices in subprocesses (tests/cp_worker.py): for each strat
 documents, window, global tokens, prefix-LM mask_mod with a per-row operand, chunked-causal
 mask_mod, a score_mod with a trainable table, sinks, dropout, GQA 8:2}, the output and every
 gradient (q, k, v, the table, the sinks) equal the unsharded call's. xla_chunked runs the whole
-table, the reference and the interpreted flash kernels a representative subset. What a strategy
-cannot serve is refused by name, and the refusal is asserted here.
+table, the reference and the interpreted flash kernels a representative subset (their mods on a batch,
+head and Ulysses split included). What a strategy cannot serve is refused by name, and the refusal is
+asserted here.
 """
 
 from __future__ import annotations
@@ -36,11 +37,10 @@ SEQUENCE_MESHES = [name for name, sizes in cp_worker.MESHES if "sequence" in siz
 OTHER_MESHES = [name for name, sizes in cp_worker.MESHES if "sequence" not in sizes]
 STRATEGIES = fl.parallel.STRATEGIES
 # (impl, request, mesh, strategy) that must be refused, with these words. The shapes divide for every
-# strategy (8 heads, 64 tokens, 4 sequence devices); the flash kernels read mods with shard-local batch
-# rows and heads, so a mod on a head split (Ulysses) is refused for them.
-REFUSALS: dict[tuple[str, str, str, str], str] = {
-    ("flash_pallas", request, "sequence", strategy): "shard-local batch rows and heads"
-    for request in ("prefix_lm", "t5_table") for strategy in ("ulysses", "ulysses_ring")}
+# strategy (8 heads, 64 tokens, 4 sequence devices) and every impl here hands the mods global batch rows
+# and heads (the sharded_mods capability), so nothing is refused now; a strategy or impl that refuses a
+# case names it here.
+REFUSALS: dict[tuple[str, str, str, str], str] = {}
 
 
 def _run(args, timeout=900) -> list[dict]:
@@ -94,11 +94,20 @@ def test_reference_on_every_strategy():
 
 
 # The flash kernels, interpreted (TPU family on a CPU host): packed documents, a mask_mod with a per-row
-# operand and a trainable table, each strategy once on the sequence mesh.
+# operand and a trainable table, each strategy once on the sequence mesh (Ulysses: a head split).
 def test_interpreted_flash_kernels_on_every_strategy():
   requests = ["packed", "prefix_lm", "t5_table"]
   results = _run(["flash_pallas", ",".join(STRATEGIES), ",".join(requests), "sequence"])
   _check(results, len(requests) * len(STRATEGIES))
+
+
+# Their mods on a batch and head split: the prefix-LM mask_mod reads prefix[b] and the T5 table table[h]
+# with the global row and head a shard adds (scalar_table.origin), on data x tensor. (Ulysses' head split
+# on the sequence mesh is the test above; tests/test_sharded_mods.py holds the kernels to the reference
+# on a slice in one process, where a tile fully visible to local rows or heads would skip the mask.)
+def test_interpreted_flash_kernels_read_mods_on_batch_and_head_splits():
+  results = _run(["flash_pallas", "auto", "prefix_lm,t5_table", "data_tensor"])
+  _check(results, 2)
 
 
 # ----------------------------------------------------------------------------
@@ -181,7 +190,10 @@ def test_explain_names_autos_strategy(length, heads, kv_heads, sizes, strategy):
   assert f"strategy {strategy} (auto on" in text and "MiB/chip/layer" in text, text
 
 
-def test_flash_kernels_refuse_mods_on_a_batch_or_head_split():
+def test_impls_without_sharded_mods_refuse_mods_on_a_batch_or_head_split():
+  # xla_native serves a mask_mod but does not declare that a shard's mods see global rows and heads.
   q, k, v = (jnp.zeros(x.shape, x.dtype) for x in _qkv())  # refused before shard_map needs devices
-  with pytest.raises(fl.UnsupportedError, match="splits the batch: its kernels read the mods"):
-    fl.attention(q, k, v, impl="flash_pallas", mask_mod=fl.masks.causal(), mesh=_abstract(data=2))
+  with pytest.raises(fl.UnsupportedError, match="'xla_native' on a mesh that splits the batch: its kernels"):
+    fl.attention(q, k, v, impl="xla_native", mask_mod=fl.masks.causal(), mesh=_abstract(data=2))
+  with pytest.raises(fl.UnsupportedError, match="splits the heads.*impl= one of .*'flash_pallas'"):
+    fl.attention(q, k, v, impl="xla_native", mask_mod=fl.masks.causal(), mesh=_abstract(tensor=2))

@@ -28,8 +28,11 @@ def test_reads_match_what_build_writes(alibi, rate):
   layout = scalar_table.Table.of(request)
   offsets = scalar_table.offsets(table)  # what the kernels read
   assert (int(offsets.q), int(offsets.kv)) == (int(args.q_offset), int(args.kv_offset))
-  assert (table[:2] == scalar_table.offsets_table(args.q_offset, args.kv_offset)).all()  # the decode table
-  expected_len = 2 + (h if alibi else 0) + (b * h if rate else 0)
+  origin = scalar_table.origin(table)  # what the mods add to a program's row and head
+  assert (int(origin.batch), int(origin.head)) == (int(args.batch_offset), int(args.head_offset))
+  fixed = scalar_table.offsets_table(args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)
+  assert fixed.shape == (4,) and (table[:4] == fixed).all()  # the decode table is that part alone
+  expected_len = 4 + (h if alibi else 0) + (b * h if rate else 0)
   assert table.shape == (expected_len,)
   for head in range(h):
     if alibi:

@@ -31,7 +31,7 @@ from flash_layers import lowering
 from flash_layers.contract import block_info, mods
 from flash_layers.impls import registry
 from flash_layers.impls.base import Args, Request, UnsupportedError
-from flash_layers.impls.flash_pallas import decode, kernel_mods
+from flash_layers.impls.flash_pallas import decode, kernel_mods, scalar_table
 from flash_layers.impls.flash_pallas.tuning_space import space as _tuning_space
 from flash_layers.impls.tiling import BlockSizes, GpuBlockSizes
 
@@ -123,8 +123,10 @@ def _where(platform: str | None) -> str:
 
 class FlashPallas:
   name = "flash_pallas"
+  # sharded_mods: both families add the scalar table's batch and head offsets to a program's row and head
+  # before evaluating a mod (kernel_mods, scalar_table.origin), so a shard's mods see global indices.
   capabilities = frozenset({"attention_backward", "block_stats", "grid_steps", "traced_offsets", "dropout",
-                            "retiles_block_mask", "decode_unserved", "tuning_space"})
+                            "retiles_block_mask", "decode_unserved", "tuning_space", "sharded_mods"})
   block_size_types = (BlockSizes, GpuBlockSizes)  # the family lowered for checks its own again
   tuning_space = staticmethod(_tuning_space)  # tuning_space.py
 
@@ -163,12 +165,14 @@ class FlashPallas:
     block_q, block_kv = _family(family).block_shape(request, platform)
     tiles = None
     if request.mask_mod is not None:  # the tiles the mask_mod leaves empty are not visited
-      if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in args.mod_operands):
+      if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct))
+             for x in (*args.mod_operands, args.batch_offset, args.head_offset)):
         return None
 
       def tiles():
-        return kernel_mods.request_tile_flags(request, args.mod_operands, args.q_offset, args.kv_offset,
-                                      block_q, block_kv)
+        return kernel_mods.request_tile_flags(
+            request, args.mod_operands, scalar_table.Offsets(args.q_offset, args.kv_offset),
+            scalar_table.Origin(args.batch_offset, args.head_offset), block_q, block_kv)
     return block_info.block_stats(request.batch, request.num_heads, request.q_len, request.kv_len,
                              block_q, block_kv, request.spec, args.q_segment_ids,
                              args.kv_segment_ids, args.q_offset, args.kv_offset, tiles=tiles)

@@ -22,6 +22,7 @@ from flash_layers.impls.flash_pallas.gpu_common import (
   kv_tile,
   load,
   mask_inputs,
+  mod_at,
   q_program,
   ragged,
   split_refs,
@@ -64,7 +65,7 @@ def _dkv_kernel(st: GpuCall, *refs):
       tile = tile_positions(offsets_ref, q_block, kv_block, block_q, block_kv)
       s2, chain = tile_logits(st, q, k, tile, masked, q_seg, kv_seg,
                               alibi_term(st, offsets_ref, first_head + head, tile),
-                              (batch, first_head + head, operands) if r.has_mods else None, grad=True)
+                              mod_at(st, offsets_ref, batch, first_head + head, operands), grad=True)
       # lse2 is +inf for rows that see no key, so their p is exactly 0.
       p = jnp.exp2(s2 - load(lse2_ref.at[head, q_slice], start, rows, other=jnp.inf)[:, None])
       do = load(do_ref.at[q_slice, head, :], start, rows, r.head_dim_v)
@@ -111,7 +112,7 @@ def _dq_kernel(st: GpuCall, *refs):
     kv_slice, start, rows, kv_seg, k = kv_tile(st, segs, k_ref, kv_block, block_kv, kv_rows, masked)
     tile = tile_positions(offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, chain = tile_logits(st, q, k, tile, masked, q_seg, kv_seg, alibi_term(st, offsets_ref, head, tile),
-                            (batch, head, operands) if r.has_mods else None, grad=True,
+                            mod_at(st, offsets_ref, batch, head, operands), grad=True,
                             operand_grads=st.operand_grads)
     p = jnp.exp2(s2 - lse2[:, None])
     dp = dot(st, do, load(v_ref.at[kv_slice, :], start, rows, r.head_dim_v), ((1,), (1,)))

@@ -212,6 +212,16 @@ def tile_positions(offsets_ref, q_block, kv_block, block_q: int, block_kv: int) 
   return Tile((offsets.q + q_local)[:, None], (offsets.kv + kv_local)[None, :], kv_local)
 
 
+def mod_at(st: GpuCall, offsets_ref, batch, head, operands):
+  """`tile_logits`' mod_at for local (batch row, query head): the row and head made global by the kernel
+  table's origin (a shard's first row and head, traced on a mesh; 0 unsharded), with the operand views;
+  None when the request has no mods."""
+  if not st.request.has_mods:
+    return None
+  origin = scalar_table.origin(offsets_ref)
+  return origin.batch + batch, origin.head + head, operands
+
+
 def needs_mask(request: Request, block_kv: int) -> bool:
   """Whether any tile needs the element mask (else every loaded pair is visible)."""
   spec = request.spec
@@ -254,7 +264,8 @@ def tile_logits(st: GpuCall | decode.DecodeCall, q, k, tile: Tile, masked, q_seg
   tile, or the block map's traced `full` flag (segment ids, mask_mod), decided per tile behind a
   `cond`. Keys past kv_len (zeros from the masked loads) are masked like invisible ones.
   q_seg [rows], kv_seg [block_kv]: segment ids, or None. alibi: an `alibi_term`, or None.
-  mod_at: (batch row, query head, operand views) when the request has a mask_mod or score_mod.
+  mod_at: (global batch row, global query head, operand views) when the request has a mask_mod or
+  score_mod (`mod_at`).
   Returns (s2, chain): s2 = cap(score_mod(logits)) * log2(e) in float32; chain (``grad``) takes the
   gradient of the capped logits to that of the raw ones (the softcap's 1 - tanh^2, then score_mod's
   derivative by `jax.vjp`), or None (identity); with ``operand_grads`` it returns (that gradient, the
@@ -267,7 +278,7 @@ def tile_logits(st: GpuCall | decode.DecodeCall, q, k, tile: Tile, masked, q_seg
   idx = None
   if mod_at is not None:
     batch, head, operands = mod_at
-    idx = mods.Indices(batch, head, q_pos, kv_pos)  # mods are refused on a mesh: local = global
+    idx = mods.Indices(batch, head, q_pos, kv_pos)  # all global
   chain = None
   if r.softcap is None and r.score_mod is None:
     s2 = raw * (r.scale * LOG2E)
@@ -405,8 +416,9 @@ def mask_inputs(st: GpuCall, offsets, q_seg, kv_seg, ops, *, by_q: bool, block_q
       if prebuilt is not None and (block_q, block_kv) == r.block_mask_tiles:  # built once, every layer
         shows, fills = prebuilt
       else:
-        shows, fills = kernel_mods.request_tile_flags(r, kernel_mods.unflatten(ops, st.operands),
-                                              *scalar_table.offsets(offsets), block_q, block_kv)
+        shows, fills = kernel_mods.request_tile_flags(
+            r, kernel_mods.unflatten(ops, st.operands), scalar_table.offsets(offsets),
+            scalar_table.origin(offsets), block_q, block_kv)  # the table's global rows and heads
       tiles = tuple(jnp.broadcast_to(x, (r.batch, nq, nk)) for x in (shows, fills))  # a map row per row
     bmap = block_info.block_map(r.q_len, r.kv_len, block_q, block_kv, r.spec, q_seg, kv_seg,
                                 *scalar_table.offsets(offsets), tiles=tiles)

@@ -20,6 +20,7 @@ from flash_layers.impls.flash_pallas.gpu_common import (
   kv_tile,
   load,
   mask_inputs,
+  mod_at,
   q_program,
   softmax_update,
   split_refs,
@@ -47,7 +48,7 @@ def _forward_kernel(st: GpuCall, *refs):
     kv_slice, start, rows, kv_seg, k = kv_tile(st, segs, k_ref, kv_block, block_kv, kv_rows, masked)
     tile = tile_positions(offsets_ref, q_block, kv_block, block_q, block_kv)
     s2, _ = tile_logits(st, q, k, tile, masked, q_seg, kv_seg, alibi_term(st, offsets_ref, head, tile),
-                        (batch, head, operands) if r.has_mods else None)
+                        mod_at(st, offsets_ref, batch, head, operands))
     m_new, p, rescale = softmax_update(m, s2)
     denom = denom * rescale + p.sum(axis=-1)  # the normaliser (and lse) is taken before dropout
     keep = dropout_keep(st, offsets_ref, batch, head, tile)

@@ -1,11 +1,13 @@
 """mask_mod / score_mod inside our kernels: how a mod's operands reach a kernel and how a mod reads them.
 
-Both kernel families evaluate the user's mods (flash_layers/contract/mods.py) on the index vectors of a tile:
-``b`` and ``h`` are the program's batch row and query head (int32 scalars), ``q_idx`` / ``kv_idx`` the
-tile's global positions (vectors that broadcast to the tile). A mask_mod masks a partial tile with the
-built-in rules; its block sparsity comes from `block_info.tile_flags` evaluated on the kernel's tiles
-before the call. A score_mod rewrites every visited tile's logits, and the backward applies its
-derivative (`jax.vjp` of the elementwise function, inside the kernel).
+Both kernel families evaluate the user's mods (flash_layers/contract/mods.py) on the index vectors of a
+tile: ``b`` and ``h`` are the program's *global* batch row and query head (int32 scalars: the local ones
+plus the scalar table's `scalar_table.origin`, which a shard of a mesh sets from its axis index), ``q_idx``
+/ ``kv_idx`` the tile's global positions (vectors that broadcast to the tile). A mask_mod masks a partial
+tile with the built-in rules; its block sparsity comes from `block_info.tile_flags` evaluated on the
+kernel's tiles before the call, with the same global rows and heads. A score_mod rewrites every visited
+tile's logits, and the backward applies its derivative (`jax.vjp` of the elementwise function, inside
+the kernel).
 
 The operands travel flattened (a 2-D SMEM array pads its rows), as int32 or float32 (what a TPU's scalar
 memory holds; bool and narrower ints widen to int32, other floats to float32), and a mod sees each as an
@@ -38,6 +40,7 @@ import jax.numpy as jnp
 from flash_layers.contract import block_info, mods
 from flash_layers.impls import registry
 from flash_layers.impls.base import Request, UnsupportedError
+from flash_layers.impls.flash_pallas import scalar_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,15 +62,17 @@ def flatten(operands: tuple) -> tuple[tuple[jax.Array, ...], tuple[Meta, ...]]:
   return tuple(flat), tuple(metas)
 
 
-def request_tile_flags(request: Request, operands: tuple, q_offset, kv_offset, block_q: int,
-               block_kv: int) -> tuple[jax.Array, jax.Array]:
-  """The request's mask_mod on a kernel's tiles: (any, all) bool [b|1, nq, nk] (`block_info.tile_flags`, over
-  every query head; batch and head offsets 0: mods are refused on a mesh)."""
-  return block_info.tile_flags(request.mask_mod, tuple(operands), batch=request.batch,
-                         heads=jnp.arange(request.num_heads), batch_offset=0, q_offset=q_offset,
-                         kv_offset=kv_offset, q_len=request.q_len, kv_len=request.kv_len,
-                         block_q=block_q, block_kv=block_kv, num_q_blocks=-(-request.q_len // block_q),
-                         num_kv_blocks=-(-request.kv_len // block_kv))
+def request_tile_flags(request: Request, operands: tuple, offsets: scalar_table.Offsets,
+                       origin: scalar_table.Origin, block_q: int, block_kv: int) -> tuple[jax.Array, ...]:
+  """The request's mask_mod on a kernel's tiles: (any, all) bool [b|1, nq, nk] (`block_info.tile_flags`,
+  over every local query head). ``origin``: the global batch row and query head of local row and head 0
+  (a shard's, read from the scalar table), so the flags agree with the kernels' element mask on a mesh."""
+  heads = origin.head + jnp.arange(request.num_heads, dtype=jnp.int32)
+  return block_info.tile_flags(
+      request.mask_mod, tuple(operands), batch=request.batch, heads=heads, batch_offset=origin.batch,
+      q_offset=offsets.q, kv_offset=offsets.kv, q_len=request.q_len, kv_len=request.kv_len, block_q=block_q,
+      block_kv=block_kv, num_q_blocks=-(-request.q_len // block_q),
+      num_kv_blocks=-(-request.kv_len // block_kv))
 
 
 def unflatten(flat: tuple, metas: tuple[Meta, ...]) -> tuple[jax.Array, ...]:

@@ -1,16 +1,24 @@
 """The int32 scalar table both kernel families read: offsets, ALiBi slopes, dropout streams.
 
 The TPU kernel keeps it in SMEM (scalar prefetch), the GPU kernel reads it as a small array. Its
-layout, each part present only when the request uses it:
+layout, the last two parts present only when the request uses them:
 
     [Q_OFFSET]                     global position of query 0 (traced under a ring)
     [KV_OFFSET]                    global position of key 0
+    [BATCH_OFFSET]                 global index of local batch row 0 (traced on a mesh: axis_index)
+    [HEAD_OFFSET]                  global index of local query head 0 (likewise; Ulysses adds its slice)
     [SLOPES + h]                   ALiBi slope of local query head h, as float32 bits
     [streams + b * heads + h]      dropout stream of local (batch row b, query head h)
 
-A kernel never indexes the table by hand: it reads the offsets through `offsets(ref)` and the rest
-through a `Table` made from its request, which owns the layout (`build` writes the same layout; the
-decode kernels, which read only the offsets, get a table of them alone from `offsets_table`).
+The batch and head offsets are what a shard of a mesh adds to its local indices so that mask_mod and
+score_mod see global rows and heads (`origin`, read by the kernels' mod evaluation and by the tile flags
+of a mask_mod's block plan); dropout needs no read of them, its streams are hashed from global indices
+here.
+
+A kernel never indexes the table by hand: it reads the offsets through `offsets(ref)` and `origin(ref)`
+and the rest through a `Table` made from its request, which owns the layout (`build` writes the same
+layout; the decode kernels, which read only the offsets, get a table of the fixed part alone from
+`offsets_table`).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import jax.numpy as jnp
 
 from flash_layers.contract import dropout
 
-Q_OFFSET, KV_OFFSET, SLOPES = 0, 1, 2
+Q_OFFSET, KV_OFFSET, BATCH_OFFSET, HEAD_OFFSET, SLOPES = 0, 1, 2, 3, 4
 
 
 class Offsets(NamedTuple):
@@ -33,14 +41,27 @@ class Offsets(NamedTuple):
   kv: jax.Array
 
 
+class Origin(NamedTuple):
+  """The global batch row and query head of this call's local row 0 and head 0 (int32 scalars; 0
+  unsharded, traced on a mesh): a mod's ``b`` and ``h`` are these plus the local ones."""
+
+  batch: jax.Array
+  head: jax.Array
+
+
 def offsets(ref) -> Offsets:
   """The offsets of a table (a Pallas ref or an array), whatever else it holds."""
   return Offsets(ref[Q_OFFSET], ref[KV_OFFSET])
 
 
-def offsets_table(q_offset, kv_offset) -> jax.Array:
-  """int32 [2]: a table of the offsets alone (the first part of every table `build` writes)."""
-  return jnp.stack([jnp.asarray(q_offset, jnp.int32), jnp.asarray(kv_offset, jnp.int32)])
+def origin(ref) -> Origin:
+  """The batch and head offsets of a table (a Pallas ref or an array), whatever else it holds."""
+  return Origin(ref[BATCH_OFFSET], ref[HEAD_OFFSET])
+
+
+def offsets_table(q_offset, kv_offset, batch_offset=0, head_offset=0) -> jax.Array:
+  """int32 [4]: a table of the offsets alone (the first part of every table `build` writes)."""
+  return jnp.stack([jnp.asarray(x, jnp.int32) for x in (q_offset, kv_offset, batch_offset, head_offset)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +103,7 @@ def build(request, args, batch: int) -> jax.Array:
   The streams come from `dropout.stream` on global rows and heads (`args.batch_offset`,
   `args.head_offset`), so a kernel only hashes positions (`dropout.bits`), as the other impls do.
   """
-  parts = [offsets_table(args.q_offset, args.kv_offset)]
+  parts = [offsets_table(args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)]
   if request.has_alibi:
     parts.append(jax.lax.bitcast_convert_type(args.alibi_slopes.astype(jnp.float32), jnp.int32))
   if request.has_dropout:

@@ -83,11 +83,12 @@ def _config(request: Request, args: Args, interpret: bool) -> TpuCall:
 def grid_steps(request: Request, args: Args) -> int | None:
   """Grid steps the forward kernel runs, over batch and heads (None when segment ids or
   offsets are traced: the grid is then sized at run time)."""
-  if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids,
-                                                  args.q_offset, args.kv_offset, *args.mod_operands)):
+  if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids, args.q_offset,
+                                                  args.kv_offset, args.batch_offset, args.head_offset,
+                                                  *args.mod_operands)):
     return None
   cfg = _config(request, args, interpret=True)
-  offsets = scalar_table.offsets_table(args.q_offset, args.kv_offset)
+  offsets = scalar_table.offsets_table(args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)
   row_steps, _, _ = block_plan(cfg, cfg.fwd, args.q_segment_ids, args.kv_segment_ids, offsets,
                                kv_major=False, operands=args.mod_operands)
   row_steps = np.asarray(row_steps)
@@ -116,7 +117,8 @@ def _prepare(request: Request, args: Args, interpret: bool, batch: int):
   cfg = _config(request, args, interpret)
   q_pad = round_up(request.q_len, math.lcm(cfg.fwd[0], cfg.bwd[0]))
   kv_pad = round_up(request.kv_len, math.lcm(cfg.fwd[1], cfg.bwd[1]))
-  # Offsets, ALiBi slopes and dropout streams (scalar_table), in SMEM.
+  # Offsets (positions, and the batch row and head a shard starts at), ALiBi slopes and dropout
+  # streams (scalar_table), in SMEM.
   return cfg, q_pad, kv_pad, scalar_table.build(request, args, batch)
 
 

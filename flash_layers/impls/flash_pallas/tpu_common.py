@@ -155,17 +155,21 @@ def tile_positions(offsets_ref, step: Step, shape, q_axis) -> Tile:
 
 
 class Mod(NamedTuple):
-  """What a mod reads in one tile: its indices (the program's batch row and query head, the tile's
-  global positions; mods are refused on a mesh, so local = global) and the operands' views."""
+  """What a mod reads in one tile: its global indices (the program's batch row and query head, the tile's
+  positions) and the operands' views."""
 
   idx: mods.Indices
   operands: tuple
 
 
-def mod_at(cfg: TpuCall, operands: tuple, batch, head, tile: Tile | None) -> Mod | None:
+def mod_at(cfg: TpuCall, offsets_ref, operands: tuple, batch, head, tile: Tile | None) -> Mod | None:
+  """The `Mod` of local (batch row, query head)'s tile: the row and head made global by the SMEM table's
+  origin (a shard's first row and head, traced on a mesh; 0 unsharded), as the positions are by its
+  offsets."""
   if not cfg.request.has_mods or tile is None:
     return None
-  return Mod(mods.Indices(batch, head, tile.q_pos, tile.kv_pos), operands)
+  origin = scalar_table.origin(offsets_ref)
+  return Mod(mods.Indices(origin.batch + batch, origin.head + head, tile.q_pos, tile.kv_pos), operands)
 
 
 def tile_visible(cfg: TpuCall | decode.DecodeCall, tile: Tile, q_seg, kv_seg, mod: Mod | None = None):
@@ -192,7 +196,7 @@ def tile_mask(cfg: TpuCall, offsets_ref, operands: tuple, step: Step, shape, q_a
   covers (mods read one head per tile). ``segments()`` gives the (q, kv) segment-id operands of
   `tile_visible`, read only for a masked tile."""
   tile = tile_positions(offsets_ref, step, shape, q_axis) if masked or cfg.needs_positions else None
-  mod = mod_at(cfg, operands, step.batch, step.head, tile)
+  mod = mod_at(cfg, offsets_ref, operands, step.batch, step.head, tile)
   visible = tile_visible(cfg, tile, *segments(), mod) if masked else None
   return TileMask(tile, mod, visible)
 

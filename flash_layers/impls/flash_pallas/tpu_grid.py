@@ -242,7 +242,9 @@ def block_plan(cfg: TpuCall, blocks, q_seg, kv_seg, offsets, *, kv_major: bool, 
     if prebuilt is not None:  # a block_mask's flags, built once for every layer
       shows, fills = prebuilt
     else:
-      shows, fills = kernel_mods.request_tile_flags(r, operands, *offs, block_q, block_kv)
+      # On the table's global offsets and origin (the static path above never has a mask_mod).
+      shows, fills = kernel_mods.request_tile_flags(r, operands, scalar_table.offsets(offsets),
+                                                    scalar_table.origin(offsets), block_q, block_kv)
     visible, full = visible & shows, full & fills
   if kv_major:
     visible, full = xp.swapaxes(visible, 1, 2), xp.swapaxes(full, 1, 2)
