@@ -53,6 +53,8 @@ def _parse(argv):
   parser.add_argument("--sequence", type=int, default=-1, help="-1: the devices data and tensor leave")
   parser.add_argument("--context-parallel", default="auto", choices=STRATEGIES)
   parser.add_argument("--sweep", action="store_true", help="compile the docs/sharding.md table")
+  parser.add_argument("--sweep-mask", default=None, choices=MASKS,
+                      help="--sweep only the cases with this mask (the --out file's others are kept)")
   parser.add_argument("--out", default=None, help="--sweep: write the results here (JSON)")
   parser.add_argument("--table", default=None, metavar="RESULTS",
                       help="print the docs table (markdown with docs_numbers markers) of a results file")
@@ -185,9 +187,17 @@ def _sweep_cases():
            "--head-dim=128", "--mask=prefix_lm", f"--context-parallel={strategy}"]
 
 
-def sweep(out: str | None) -> list[dict]:
+def sweep(out: str | None, mask: str | None = None) -> list[dict]:
+  """Compile every case of the table (`mask`: only the cases with that --mask, the file's other
+  cases kept), writing `out` after each."""
   results = []
+  kept = []
+  if out and mask and os.path.exists(out):
+    with open(out) as f:
+      kept = [c for c in json.load(f)["cases"] if c["mask"] != mask]
   for argv in _sweep_cases():
+    if mask and f"--mask={mask}" not in argv:
+      continue
     case = compile_case(_parse(argv))
     case["modelled"] = _modelled(case)
     results.append(case)
@@ -195,7 +205,7 @@ def sweep(out: str | None) -> list[dict]:
     if out:  # after every case: a long sweep keeps what it has
       with open(out, "w") as f:
         json.dump({"command": "python -m benchmarks.cp_aot --sweep", "date": time.strftime("%Y-%m-%d"),
-                   "versions": _versions(), "cases": results}, f, indent=1)
+                   "versions": _versions(), "cases": kept + results}, f, indent=1)
   return results
 
 
@@ -295,7 +305,7 @@ def main(argv=None) -> int:
       print(table(json.load(f)["cases"]))
     return 0
   if args.sweep:
-    sweep(args.out)
+    sweep(args.out, args.sweep_mask)
     return 0
   result = compile_case(args)
   if args.json:

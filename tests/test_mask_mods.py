@@ -332,3 +332,16 @@ def test_our_tpu_kernels_take_a_block_masks_tiles_and_reuse_its_flags():
                             argnums=(0, 1, 2))(q, k, v)
   for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5)
+
+
+def test_explain_takes_shapes_for_mod_operands():
+  """An AOT user explains a call before any array exists: a prefix-LM operand given as a
+  ShapeDtypeStruct names the kernel and leaves the counts that need its values unknown."""
+  q = jax.ShapeDtypeStruct((2, 1024, 4, 128), jnp.bfloat16)
+  prefix = jax.ShapeDtypeStruct((2,), jnp.int32)
+  e = fl.explain(q, q, q, impl="flash_pallas", mask_mod=fl.masks.prefix_lm(operand=0), mod_operands=(prefix,))
+  assert e.impl == "flash_pallas" and e.kernel.startswith("pallas-")
+  assert e.grid_steps is None and e.blocks_visited is None
+  concrete = fl.explain(q, q, q, impl="flash_pallas", mask_mod=fl.masks.prefix_lm(operand=0),
+                        mod_operands=(jnp.array([100, 900], jnp.int32),))
+  assert concrete.blocks_visited is not None and concrete.blocks_visited < concrete.blocks_total

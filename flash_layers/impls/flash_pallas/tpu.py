@@ -83,9 +83,10 @@ def _config(request: Request, args: Args, interpret: bool) -> TpuCall:
 def grid_steps(request: Request, args: Args) -> int | None:
   """Grid steps the forward kernel runs, over batch and heads (None when segment ids or
   offsets are traced: the grid is then sized at run time)."""
-  if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids, args.q_offset,
-                                                  args.kv_offset, args.batch_offset, args.head_offset,
-                                                  *args.mod_operands)):
+  # Known only at run time (traced) or only by shape (explain on ShapeDtypeStructs): no count.
+  if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in (
+      args.q_segment_ids, args.kv_segment_ids, args.q_offset, args.kv_offset, args.batch_offset,
+      args.head_offset, *args.mod_operands)):
     return None
   cfg = _config(request, args, interpret=True)
   offsets = scalar_table.offsets_table(args.q_offset, args.kv_offset, args.batch_offset, args.head_offset)
