@@ -55,6 +55,8 @@ def _parse(argv):
   parser.add_argument("--sweep", action="store_true", help="compile the docs/sharding.md table")
   parser.add_argument("--sweep-mask", default=None, choices=MASKS,
                       help="--sweep only the cases with this mask (the --out file's others are kept)")
+  parser.add_argument("--sweep-strategy", default=None, choices=STRATEGIES,
+                      help="--sweep only the cases with this strategy (likewise)")
   parser.add_argument("--out", default=None, help="--sweep: write the results here (JSON)")
   parser.add_argument("--table", default=None, metavar="RESULTS",
                       help="print the docs table (markdown with docs_numbers markers) of a results file")
@@ -187,16 +189,20 @@ def _sweep_cases():
            "--head-dim=128", "--mask=prefix_lm", f"--context-parallel={strategy}"]
 
 
-def sweep(out: str | None, mask: str | None = None) -> list[dict]:
-  """Compile every case of the table (`mask`: only the cases with that --mask, the file's other
-  cases kept), writing `out` after each."""
+def sweep(out: str | None, mask: str | None = None, strategy: str | None = None) -> list[dict]:
+  """Compile every case of the table (`mask`, `strategy`: only the cases with that --mask and
+  --context-parallel, the file's other cases kept), writing `out` after each."""
+  def chosen(m, s):
+    return (mask is None or m == mask) and (strategy is None or s == strategy)
+
   results = []
   kept = []
-  if out and mask and os.path.exists(out):
+  if out and (mask or strategy) and os.path.exists(out):
     with open(out) as f:
-      kept = [c for c in json.load(f)["cases"] if c["mask"] != mask]
+      kept = [c for c in json.load(f)["cases"] if not chosen(c["mask"], c["context_parallel"])]
   for argv in _sweep_cases():
-    if mask and f"--mask={mask}" not in argv:
+    options = dict(a.removeprefix("--").split("=", 1) for a in argv)
+    if not chosen(options["mask"], options["context-parallel"]):
       continue
     case = compile_case(_parse(argv))
     case["modelled"] = _modelled(case)
@@ -205,8 +211,21 @@ def sweep(out: str | None, mask: str | None = None) -> list[dict]:
     if out:  # after every case: a long sweep keeps what it has
       with open(out, "w") as f:
         json.dump({"command": "python -m benchmarks.cp_aot --sweep", "date": time.strftime("%Y-%m-%d"),
-                   "versions": _versions(), "cases": kept + results}, f, indent=1)
+                   "versions": _versions(), "cases": sorted(kept + results, key=_sweep_order)}, f,
+                  indent=1)
   return results
+
+
+def _case_id(topology, slices, seq_len, mask, strategy) -> tuple:
+  return (topology, int(slices), int(seq_len), mask, strategy)
+
+
+def _sweep_order(case: dict) -> int:
+  """A case's place in `_sweep_cases` (the table's row order)."""
+  ids = [_case_id(o["topology"], o.get("slices", 1), o["seq-len"], o["mask"], o["context-parallel"])
+         for o in (dict(a.removeprefix("--").split("=", 1) for a in argv) for argv in _sweep_cases())]
+  return ids.index(_case_id(case["topology"], case["slices"], case["shape"]["seq_len"], case["mask"],
+                            case["context_parallel"]))
 
 
 def _modelled(case: dict) -> dict | None:
@@ -219,7 +238,7 @@ def _modelled(case: dict) -> dict | None:
   group = re.search(r"groups of (\d+)", case["sharding"])
   s = case["shape"]
   request = cost.make_request(s["batch"] // case["mesh"].get("data", 1), s["seq_len"], s["heads"],
-                              s["kv_heads"], s["head_dim"], causal=case["mask"] != "full",
+                              s["kv_heads"], s["head_dim"], causal="causal" in case["mask"],
                               dtype=s["dtype"])
   c = cost.strategy_cost(strategy, request, case["mesh"]["sequence"], int(group[1]) if group else 1,
                          cost.generation_of(case["device_kind"]))
@@ -305,7 +324,7 @@ def main(argv=None) -> int:
       print(table(json.load(f)["cases"]))
     return 0
   if args.sweep:
-    sweep(args.out, args.sweep_mask)
+    sweep(args.out, args.sweep_mask, args.sweep_strategy)
     return 0
   result = compile_case(args)
   if args.json:

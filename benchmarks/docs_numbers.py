@@ -465,6 +465,17 @@ def _cp_aot_numbers() -> dict[str, Number]:
 
 REGISTRY.update(_cp_aot_numbers())
 
+# The pod dry run (`python train.py --config configs/tpu_pod.py --aot_topology v5p:4x4x4`).
+_POD = "tpu-pod-dry-run-v5p-4x4x4-2026-12-06.json"
+REGISTRY.update({
+    "pod.attention_mib_layer": Number(_POD, "report.attention.modelled_bytes_per_chip_per_layer", ",.1f",
+                                      MIB),
+    "pod.attention_mib_step": Number(_POD, "report.attention.modelled_bytes_per_chip_per_step", ",.0f", MIB),
+    "pod.sequence_mib_step": Number(_POD, "report.collective_bytes_per_step_per_chip.by_axes.ici:sequence",
+                                    ",.0f", MIB),
+    "pod.peak_gib": Number(_POD, "report.per_chip_bytes.peak_estimate", ".2f", GIB),
+})
+
 
 # ---------------------------------------------------------------------------------------------
 # Reading a number.

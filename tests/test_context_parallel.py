@@ -178,15 +178,16 @@ def test_user_axis_names_need_a_mapping():
 
 
 # auto's choice through fl.explain, on abstract meshes (the cost model's table: tests/test_cp_cost.py).
-@pytest.mark.parametrize("length, heads, kv_heads, sizes, strategy", [
-    (131072, 16, 4, dict(sequence=8), "ulysses"),   # long, heads >= devices: two all-to-alls move least
-    (8192, 16, 1, dict(sequence=8), "all_gather"),  # one kv head at moderate length: gather K/V
-    (4096, 6, 2, dict(sequence=4), "all_gather"),   # 6 heads do not split 4 ways: no Ulysses
+@pytest.mark.parametrize("length, heads, kv_heads, causal, sizes, strategy", [
+    (131072, 16, 4, True, dict(sequence=8), "ulysses"),  # long, heads >= devices: two all-to-alls
+    (8192, 16, 1, False, dict(sequence=8), "all_gather"),  # one kv head, an encoder: gather K/V
+    (8192, 16, 1, True, dict(sequence=8), "ulysses"),  # causal: all_gather's zig-zag moves q and out
+    (4096, 6, 2, True, dict(sequence=4), "all_gather"),  # 6 heads do not split 4 ways: no Ulysses
 ])
-def test_explain_names_autos_strategy(length, heads, kv_heads, sizes, strategy):
+def test_explain_names_autos_strategy(length, heads, kv_heads, causal, sizes, strategy):
   q = jax.ShapeDtypeStruct((1, length, heads, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, length, kv_heads, 128), jnp.bfloat16)
-  text = fl.explain(q, k, k, impl="xla_chunked", causal=True, mesh=_abstract(**sizes)).sharding
+  text = fl.explain(q, k, k, impl="xla_chunked", causal=causal, mesh=_abstract(**sizes)).sharding
   assert f"strategy {strategy} (auto on" in text and "MiB/chip/layer" in text, text
 
 

@@ -24,7 +24,9 @@ def req(batch, tokens, heads, kv_heads, head_dim, **kw):
 # (make_request args, size, generation, dcn_groups) -> (strategy, group) that "auto" picks.
 CHOICES = [
     ((1, 131072, 16, 4, 128), 8, "v5p", 1, "ulysses", None),
-    ((1, 8192, 16, 1, 128), 4, "v5p", 1, "all_gather", None),   # GQA 16:1 at 8k: K/V are small
+    # GQA 16:1 at 8k: K/V are small, all_gather gathers them; causal, its zig-zag moves q and out.
+    ((1, 8192, 16, 1, 128, False), 4, "v5p", 1, "all_gather", None),
+    ((1, 8192, 16, 1, 128), 4, "v5p", 1, "ulysses", None),
     ((1, 32768, 6, 6, 128), 4, "v5p", 1, "all_gather", None),   # 6 heads: no Ulysses on 4
     ((1, 32768, 8, 8, 128), 16, "v5p", 1, "ulysses_ring", 8),   # fewer heads than devices
     ((1, 65536, 8, 8, 128), 8, "v5p", 2, "ulysses", None),      # across 2 slices
@@ -38,7 +40,8 @@ CHOICES = [
 
 @pytest.mark.parametrize("shape,size,generation,dcn_groups,strategy,group", CHOICES)
 def test_auto_choices(shape, size, generation, dcn_groups, strategy, group):
-  got, got_group, reason, costs = cost.choose(req(*shape), size, generation, dcn_groups)
+  causal = shape[5] if len(shape) > 5 else True
+  got, got_group, reason, costs = cost.choose(req(*shape[:5], causal=causal), size, generation, dcn_groups)
   assert (got, got_group) == (strategy, group), reason
   assert reason.startswith(strategy) and f"on {generation}" in reason and " < " in reason
   assert set(costs) == set(STRATEGIES)
@@ -81,9 +84,14 @@ def test_ulysses_bytes_by_hand():
 
 
 def test_all_gather_bytes_by_hand():
-  c = cost.strategy_cost("all_gather", small(True), 4)
-  assert c.ici_bytes == 2 * 3 * MIB  # 3 peers' K+V in, 3 peers' dK+dV out
+  c = cost.strategy_cost("all_gather", small(False), 4, generation="gpu")
+  assert c.ici_bytes == 2 * 3 * MIB  # 3 peers' K+V in, 3 peers' dK+dV out (a reduce-scatter)
   assert c.memory_bytes == 4 * MIB  # the whole sequence's K/V
+  # A TPU compiles the reduce-scatter as an all-reduce: twice the backward's bytes.
+  assert cost.strategy_cost("all_gather", small(False), 4, generation="v5p").ici_bytes == 9 * MIB
+  # Causal adds the queries' zig-zag: 2 (Q + O + L) = 2 (2 MiB + 32768).
+  causal = cost.strategy_cost("all_gather", small(True), 4, generation="v5p")
+  assert causal.ici_bytes == 9 * MIB + 4 * MIB + 65536
 
 
 def test_two_slice_ulysses_ring_puts_the_ring_on_dcn():
@@ -135,7 +143,7 @@ def test_only_allowed_strategies_and_the_reason_names_the_runner_up():
   r = req(1, 131072, 16, 4, 128)
   strategy, _, reason, costs = cost.choose(r, 8, allowed=("ring", "all_gather"))
   assert strategy == "all_gather" and set(costs) == {"ring", "all_gather"}
-  assert reason == ("all_gather: 448.0 MiB/chip/layer over ICI (0.783 ms on v5p) < "
+  assert reason == ("all_gather: 930.0 MiB/chip/layer over ICI (1.63 ms on v5p) < "
                     "ring 1346.0 MiB/chip/layer over ICI (2.35 ms on v5p)")
   assert cost.choose(r, 8, allowed=("ring",))[2].endswith("(the only feasible strategy)")
 

@@ -28,7 +28,10 @@ The formulas (bytes each chip sends, forward + backward; `strategy_cost` compute
       fwd (n-1)/n (Q + K' + V' + O + L),   bwd the same,   K' = K kvh'/kvh, V' = V kvh'/kvh.
   Feasible only if h % n == 0 (and kvh % n == 0 or n % kvh == 0).
 * all_gather: K/V are gathered along the sequence axis, dK/dV reduce-scattered back in the input
-  dtype: fwd (n-1) (K + V),   bwd (n-1) (K + V).  Memory: the gathered K/V, n (K + V) per chip;
+  dtype: fwd (n-1) (K + V),   bwd (n-1) (K + V), or 2 (n-1) (K + V) on a TPU, whose compiler turns
+  the reduce-scatter into an all-reduce + slice (`Generation.reduce_scatter_as_all_reduce`).
+  Causal calls add the queries' zig-zag shuffle, q in and (out, lse) back forward, their
+  cotangents backward:   zig-zag  2 (Q + O + L).  Memory: the gathered K/V, n (K + V) per chip;
   refused when that exceeds `ALL_GATHER_HBM_FRACTION` of the chip's HBM.
 * ulysses_ring (group g, m = n/g groups): Ulysses inside each group of g consecutive devices, then a
   ring across the m groups. After the group's all-to-all a chip holds the group's g*S/n tokens at
@@ -81,6 +84,10 @@ class Generation:
   dcn: float  # bytes/s per chip, one direction
   hbm: float  # bytes per chip
   source: str
+  # Whether XLA compiles a reduce-scatter as an all-reduce + dynamic-slice for this chip, so it
+  # sends 2 (n-1)/n of the buffer instead of (n-1)/n: seen for every TPU generation in libtpu
+  # 0.0.52's AOT compiles, even for a bare `psum_scatter` (benchmarks/results/cp-aot-2026-12-06.json).
+  reduce_scatter_as_all_reduce: bool = False
 
   @property
   def ici_bw(self) -> float:
@@ -96,19 +103,19 @@ GENERATIONS: dict[str, Generation] = {
     # per link, https://glennklockwood.com/garden/processors/TPUv4) x 2 directions = 600 GB/s.
     # DCN is an ASSUMPTION: 25 Gbps per chip, as v5e's NICs give.
     "v4": Generation("v4", 600 * _GB, 25 * _GBIT, 32 * GIB,
-                     "HBM: cloud.google.com/tpu/docs/v4; ICI, DCN: assumptions (see cost.py)"),
+                     "HBM: cloud.google.com/tpu/docs/v4; ICI, DCN: assumptions (see cost.py)", True),
     # https://docs.cloud.google.com/tpu/docs/v5e : HBM 16 GB, bidirectional ICI 400 GBps per chip,
     # per-host NIC 2 x 100 Gbps for 8 chips per host (= 25 Gbps per chip; 6.4 Tbps per 256-chip pod
     # agrees).
     "v5e": Generation("v5e", 400 * _GB, 25 * _GBIT, 16 * _GB,
-                      "cloud.google.com/tpu/docs/v5e (DCN: per-host NIC / chips per host)"),
+                      "cloud.google.com/tpu/docs/v5e (DCN: per-host NIC / chips per host)", True),
     # https://docs.cloud.google.com/tpu/docs/v5p : HBM 95 GiB, bidirectional ICI 1200 GBps per chip,
     # DCN 50 Gbps per chip.
-    "v5p": Generation("v5p", 1200 * _GB, 50 * _GBIT, 95 * GIB, "cloud.google.com/tpu/docs/v5p"),
+    "v5p": Generation("v5p", 1200 * _GB, 50 * _GBIT, 95 * GIB, "cloud.google.com/tpu/docs/v5p", True),
     # https://docs.cloud.google.com/tpu/docs/v6e : HBM 32 GB, bidirectional ICI 800 GBps per chip.
     # DCN per chip is not on the page: an ASSUMPTION of 25 Gbps, as v5e.
     "v6e": Generation("v6e", 800 * _GB, 25 * _GBIT, 32 * _GB,
-                      "cloud.google.com/tpu/docs/v6e; DCN: assumption (as v5e)"),
+                      "cloud.google.com/tpu/docs/v6e; DCN: assumption (as v5e)", True),
     # Generic entries, ASSUMPTIONS all: host devices share memory (20 GB/s both ways, 16 GiB),
     # a networked host 10 Gbps.
     "cpu": Generation("cpu", 20 * _GB, 10 * _GBIT, 16 * GIB, "assumption (simulated host devices)"),
@@ -249,7 +256,11 @@ def _ulysses_cost(r: Request, n: int, gen: Generation, dcn_groups: int) -> Strat
 def _all_gather_cost(r: Request, n: int, gen: Generation, dcn_groups: int) -> StrategyCost:
   why = _length_refusal(r, n, "all_gather", 1)
   blocks = _blocks(r, n)
-  ici, dcn = _split(2 * (n - 1) * blocks.kv, n, dcn_groups)
+  # Forward: the gather of K/V; backward: the reduce-scatter of dK/dV (twice that as an all-reduce);
+  # causal: the queries' zig-zag shuffle, q and (out, lse) forward, their cotangents backward.
+  backward = (n - 1) * blocks.kv * (2 if gen.reduce_scatter_as_all_reduce else 1)
+  zigzag = 2 * (blocks.q + blocks.o + blocks.lse) if _zigzag(r, n) else 0.0
+  ici, dcn = _split((n - 1) * blocks.kv + backward + zigzag, n, dcn_groups)
   memory = n * blocks.kv
   limit = ALL_GATHER_HBM_FRACTION * gen.hbm
   if why is None and memory > limit:
@@ -374,6 +385,7 @@ def make_request(batch: int, q_len: int, num_heads: int, num_kv_heads: int, head
 CASES = (
     ("128k tokens, 16:4 heads, d 128, causal", (1, 131072, 16, 4, 128), 8, "v5p", 1),
     ("8k tokens, 16:1 heads, d 128, causal", (1, 8192, 16, 1, 128), 4, "v5p", 1),
+    ("8k tokens, 16:1 heads, d 128, bidirectional", (1, 8192, 16, 1, 128), 4, "v5p", 1),
     ("32k tokens, 6:6 heads, d 128, causal", (1, 32768, 6, 6, 128), 4, "v5p", 1),
     ("32k tokens, 8:8 heads, d 128, causal", (1, 32768, 8, 8, 128), 16, "v5p", 1),
     ("64k tokens, 8:8 heads, d 128, causal, 2 slices", (1, 65536, 8, 8, 128), 8, "v5p", 2),
@@ -392,11 +404,12 @@ def table(cases=CASES) -> list[dict]:
   rows = []
   for label, shape, size, generation, dcn_groups in cases:
     dtype = "float32" if "float32" in label else "bfloat16"
-    r = make_request(*shape, dtype=dtype)
+    causal = "bidirectional" not in label
+    r = make_request(*shape, dtype=dtype, causal=causal)
     strategy, group, reason, costs = choose(r, size, generation, dcn_groups)
     rows.append({
         "case": label, "batch": shape[0], "tokens": shape[1], "heads": shape[2], "kv_heads": shape[3],
-        "head_dim": shape[4], "dtype": dtype, "size": size, "generation": generation,
+        "head_dim": shape[4], "dtype": dtype, "causal": causal, "size": size, "generation": generation,
         "dcn_groups": dcn_groups, "choice": strategy, "group": group, "reason": reason,
         "costs": {s: {"feasible": c.feasible, "why_not": c.why_not, "group": c.group,
                       "ici_mib": round(c.ici_bytes / MIB, 3), "dcn_mib": round(c.dcn_bytes / MIB, 3),
