@@ -176,22 +176,32 @@ def compile_case(args) -> dict:
   return result
 
 
-def _sweep_cases():
-  """argparse namespaces for the docs/sharding.md table."""
+def _sweep_cases() -> list[list[str]]:
+  """The command lines of the docs/sharding.md table, in its row order."""
+  cases = []
   for topology, slices, data, sequence in SWEEP_MESHES:
     for length in SWEEP_LENGTHS:
       for strategy in STRATEGIES:
-        yield [f"--topology={topology}", f"--slices={slices}", f"--data={data}", f"--batch={data}",
-               f"--sequence={sequence}", f"--seq-len={length}", "--heads=16", "--kv-heads=4",
-               "--head-dim=128", "--mask=causal+packed", f"--context-parallel={strategy}"]
+        cases.append([f"--topology={topology}", f"--slices={slices}", f"--data={data}", f"--batch={data}",
+                      f"--sequence={sequence}", f"--seq-len={length}", "--heads=16", "--kv-heads=4",
+                      "--head-dim=128", "--mask=causal+packed", f"--context-parallel={strategy}"])
   for strategy in STRATEGIES:
-    yield ["--topology=v5p:2x2x2", "--sequence=8", "--seq-len=32768", "--heads=16", "--kv-heads=4",
-           "--head-dim=128", "--mask=prefix_lm", f"--context-parallel={strategy}"]
+    cases.append(["--topology=v5p:2x2x2", "--sequence=8", "--seq-len=32768", "--heads=16", "--kv-heads=4",
+                  "--head-dim=128", "--mask=prefix_lm", f"--context-parallel={strategy}"])
+  return cases
+
+
+def _case_id(case: dict) -> tuple:
+  """What tells a compiled case apart (the fields of `case_selector`)."""
+  return (case["topology"], case["slices"], case["shape"]["seq_len"], case["mask"], case["context_parallel"])
 
 
 def sweep(out: str | None, mask: str | None = None, strategy: str | None = None) -> list[dict]:
   """Compile every case of the table (`mask`, `strategy`: only the cases with that --mask and
   --context-parallel, the file's other cases kept), writing `out` after each."""
+  commands = [_parse(argv) for argv in _sweep_cases()]
+  order = {(a.topology, a.slices, a.seq_len, a.mask, a.context_parallel): i for i, a in enumerate(commands)}
+
   def chosen(m, s):
     return (mask is None or m == mask) and (strategy is None or s == strategy)
 
@@ -200,32 +210,19 @@ def sweep(out: str | None, mask: str | None = None, strategy: str | None = None)
   if out and (mask or strategy) and os.path.exists(out):
     with open(out) as f:
       kept = [c for c in json.load(f)["cases"] if not chosen(c["mask"], c["context_parallel"])]
-  for argv in _sweep_cases():
-    options = dict(a.removeprefix("--").split("=", 1) for a in argv)
-    if not chosen(options["mask"], options["context-parallel"]):
+  for args in commands:
+    if not chosen(args.mask, args.context_parallel):
       continue
-    case = compile_case(_parse(argv))
+    case = compile_case(args)
     case["modelled"] = _modelled(case)
     results.append(case)
     print(_line(case), flush=True)
     if out:  # after every case: a long sweep keeps what it has
+      cases = sorted(kept + results, key=lambda c: order[_case_id(c)])
       with open(out, "w") as f:
         json.dump({"command": "python -m benchmarks.cp_aot --sweep", "date": time.strftime("%Y-%m-%d"),
-                   "versions": _versions(), "cases": sorted(kept + results, key=_sweep_order)}, f,
-                  indent=1)
+                   "versions": _versions(), "cases": cases}, f, indent=1)
   return results
-
-
-def _case_id(topology, slices, seq_len, mask, strategy) -> tuple:
-  return (topology, int(slices), int(seq_len), mask, strategy)
-
-
-def _sweep_order(case: dict) -> int:
-  """A case's place in `_sweep_cases` (the table's row order)."""
-  ids = [_case_id(o["topology"], o.get("slices", 1), o["seq-len"], o["mask"], o["context-parallel"])
-         for o in (dict(a.removeprefix("--").split("=", 1) for a in argv) for argv in _sweep_cases())]
-  return ids.index(_case_id(case["topology"], case["slices"], case["shape"]["seq_len"], case["mask"],
-                            case["context_parallel"]))
 
 
 def _modelled(case: dict) -> dict | None:
@@ -287,9 +284,8 @@ def table(cases: list[dict]) -> str:
     mesh = ", ".join(f"{a} {n}" for a, n in case["mesh"].items() if n > 1)
     where = f"{case['topology']}{' x 2 slices' if case['slices'] == 2 else ''} ({mesh})"
     strategy = case["context_parallel"]
-    if strategy == "auto" and "sharding" in case:
-      found = re.search(r"strategy (\w+)", case["sharding"])
-      strategy = f"auto: {found[1] if found else '?'}"
+    if strategy == "auto" and case.get("modelled"):
+      strategy = f"auto: {case['modelled']['strategy']}"
     cells = [where, f"{case['shape']['seq_len'] // 1024}k", case["mask"], strategy]
     if "refused" in case:
       lines.append("| " + " | ".join(cells + [f"refused: {case['refused'][:90]}"] + [""] * len(TABLE_COLUMNS))

@@ -147,15 +147,20 @@ def make_plan(request: Request, mesh, *, axes: mesh_lib.MeshAxes | None = None,
   return Plan(**plan, strategy=strategy, group=group, chunks=1, block=block, local=local, reason=reason)
 
 
-def _generation(mesh) -> str:
-  """The TPU generation (or "cpu" / "gpu") whose bandwidths auto's cost model uses."""
+def _concrete_devices(mesh) -> np.ndarray | None:
+  """The mesh's device array, or None for an AbstractMesh (which has none)."""
   try:
-    devices = mesh.devices  # an AbstractMesh has none: its platform decides
+    devices = mesh.devices
   except (AttributeError, ValueError):
-    devices = None
-  kind = None
-  if devices is not None and getattr(devices, "size", 0):
-    kind = getattr(devices.flat[0], "device_kind", None)
+    return None
+  return devices if getattr(devices, "size", 0) else None
+
+
+def _generation(mesh) -> str:
+  """The TPU generation (or "cpu" / "gpu") whose bandwidths auto's cost model uses: from the mesh's
+  devices, or for an AbstractMesh from the platform being lowered for."""
+  devices = _concrete_devices(mesh)
+  kind = None if devices is None else getattr(devices.flat[0], "device_kind", None)
   platform = lowering.only_platform() or lowering.default_platform()
   try:
     return cost.generation_of(kind or platform)
@@ -166,11 +171,8 @@ def _generation(mesh) -> str:
 def _sequence_slices(mesh, axis: str) -> int:
   """How many slices (devices' `slice_index`) the mesh's sequence axis spans: 1 for an AbstractMesh
   and for meshes from `make_mesh`, which keeps the sequence inside a slice."""
-  try:
-    devices = mesh.devices
-  except (AttributeError, ValueError):
-    return 1
-  if not getattr(devices, "size", 0):
+  devices = _concrete_devices(mesh)
+  if devices is None:
     return 1
   at = list(mesh.axis_names).index(axis)
   line = np.moveaxis(np.asarray(devices), at, 0).reshape(devices.shape[at], -1)[:, 0]

@@ -36,8 +36,10 @@ def pow2_tile(n: int) -> int:
 # ----------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class GpuCall:
+class GpuCall(kernel_mods.ModOperands):
   """One call as the kernels see it: the request and what is derived from it."""
+
+  KERNEL = "a GPU (Triton) kernel"  # in the mod operands' errors (kernel_mods.ModOperands)
 
   request: Request
   cfg: GpuBlockSizes  # gpu_config.config(request): the tiles and launch parameters actually used
@@ -62,19 +64,6 @@ class GpuCall:
   def map_rows(self) -> bool:
     """Whether the block map has a row per batch row (segment ids, a mask_mod)."""
     return self.has_segments or self.request.mask_mod is not None
-
-  def mod_views(self, refs) -> tuple:
-    """The operands as a mod sees them inside a kernel (`kernel_mods.Operand`)."""
-    return kernel_mods.views(refs, self.operands, self.interpret, "a GPU (Triton) kernel")
-
-  @property
-  def operand_grads(self) -> bool:
-    """Whether the dQ kernel accumulates the gradients of score_mod's float operands."""
-    return self.request.has_float_score_operands
-
-  @property
-  def grad_layout(self) -> kernel_mods.GradLayout:
-    return kernel_mods.GradLayout.of(self.operands)
 
   @property
   def grad_slots(self) -> int:

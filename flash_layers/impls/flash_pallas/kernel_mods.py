@@ -187,6 +187,26 @@ def views(refs, metas: tuple[Meta, ...], interpret: bool, where: str) -> tuple[O
                for n, (ref, meta) in enumerate(zip(refs, metas, strict=True)))
 
 
+class ModOperands:
+  """What a kernel family's call record (TpuCall, GpuCall: fields `request`, `interpret`,
+  `operands`) derives about its mod operands; `KERNEL` names the kernel in error messages."""
+
+  KERNEL = "a Pallas kernel"
+
+  def mod_views(self, refs) -> tuple[Operand, ...]:
+    """The operands as a mod sees them inside a kernel (`Operand`)."""
+    return views(refs, self.operands, self.interpret, self.KERNEL)
+
+  @property
+  def operand_grads(self) -> bool:
+    """Whether the dQ kernel accumulates the gradients of score_mod's float operands."""
+    return self.request.has_float_score_operands
+
+  @property
+  def grad_layout(self) -> GradLayout:
+    return GradLayout.of(self.operands)
+
+
 # ----------------------------------------------------------------------------
 # Operand gradients (module docstring)
 # ----------------------------------------------------------------------------

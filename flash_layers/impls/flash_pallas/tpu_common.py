@@ -35,9 +35,11 @@ LOG2E = math.log2(math.e)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class TpuCall:
+class TpuCall(kernel_mods.ModOperands):
   """One call as the kernels see it: the request and what is derived from it while tracing
   (hashable: a custom_vjp static argument)."""
+
+  KERNEL = "a TPU (Mosaic) kernel"  # in the mod operands' errors (kernel_mods.ModOperands)
 
   request: Request
   interpret: bool
@@ -63,19 +65,6 @@ class TpuCall:
   @property
   def needs_positions(self) -> bool:  # every visited tile, full or not, hashes, biases or mods positions
     return self.request.has_alibi or self.request.has_dropout or self.request.score_mod is not None
-
-  def mod_views(self, refs) -> tuple:
-    """The operands as a mod sees them inside a kernel (`kernel_mods.Operand`)."""
-    return kernel_mods.views(refs, self.operands, self.interpret, "a TPU (Mosaic) kernel")
-
-  @property
-  def operand_grads(self) -> bool:
-    """Whether the dQ kernel accumulates the gradients of score_mod's float operands."""
-    return self.request.has_float_score_operands
-
-  @property
-  def grad_layout(self) -> kernel_mods.GradLayout:
-    return kernel_mods.GradLayout.of(self.operands)
 
 
 def dims(cfg: TpuCall, q, k):
