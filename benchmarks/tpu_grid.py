@@ -143,12 +143,16 @@ def measure(mask: str, block_sizes, t: int = T) -> dict:
 MOD_MASKS = ("prefix_lm", "chunked_causal")
 
 
-def mod_intervals(name: str, t: int = T) -> tuple[np.ndarray, np.ndarray]:
+PREFIX, CHUNK = 5000, 8192  # the prefix-LM's bidirectional keys, chunked causal's chunk
+
+
+def mod_intervals(name: str, t: int = T, prefix: int = PREFIX,
+                  chunk: int = CHUNK) -> tuple[np.ndarray, np.ndarray]:
   """Per query, the first and last key a mod mask shows (an interval for both)."""
   i = np.arange(t)
   if name == "prefix_lm":
-    return np.zeros(t, np.int64), np.maximum(i, 4999)
-  return i // 8192 * 8192, i
+    return np.zeros(t, np.int64), np.maximum(i, prefix - 1)
+  return i // chunk * chunk, i
 
 
 def interval_tiles(lo: np.ndarray, hi: np.ndarray, block_q: int, block_kv: int) -> int:
@@ -158,7 +162,7 @@ def interval_tiles(lo: np.ndarray, hi: np.ndarray, block_q: int, block_kv: int) 
   return int(touches.reshape(t // block_q, block_q, -1).any(axis=1).sum())
 
 
-def executed_points(name: str, block_sizes, t: int = T) -> int:
+def executed_points(name: str, block_sizes, t: int = T, prefix: int = PREFIX, chunk: int = CHUNK) -> int:
   """Grid points the forward kernel executes for mask_mod `name` (the TPU interpreter's recorder)."""
   import jax
   import jax.numpy as jnp
@@ -166,8 +170,8 @@ def executed_points(name: str, block_sizes, t: int = T) -> int:
 
   import flash_layers as fl
 
-  mask_mod, operands = ((fl.masks.prefix_lm(operand=0), (np.array([5000], np.int32),))
-                        if name == "prefix_lm" else (fl.masks.chunked_causal(8192), None))
+  mask_mod, operands = ((fl.masks.prefix_lm(operand=0), (np.array([prefix], np.int32),))
+                        if name == "prefix_lm" else (fl.masks.chunked_causal(chunk), None))
   points = []
 
   def record(token, grid_point, core):

@@ -5,6 +5,10 @@ import os
 import shutil
 import tempfile
 
+import profile_plugin  # tests/ is on sys.path (pytest's rootdir-relative conftest import)
+import pytest
+import tiering
+
 # Set before jax is imported: tests run on the CPU; libtpu (installed for TPU
 # ahead-of-time compiles) must not try to claim a TPU or print warnings.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -43,35 +47,42 @@ os.environ["FLASH_LAYERS_TUNING_DIR"] = _TUNING_DIR
 os.environ["FLASH_LAYERS_TUNING_SHIPPED"] = "0"
 
 
-# Scheduling only: the longest tests start first, so that `pytest -n 2` does not end with one
-# worker running a minute-long test while the other idles. Seconds as measured on the 2-core CI VM
-# under -n 2 (`--durations`); a stale figure changes the order, never a result. Tests that share an
-# expensive module fixture (test_training's reference_run) stay in file order with their module.
-LONG_TESTS = {
-    "tests/test_parallel.py::test_sharded_equals_unsharded[flash_pallas]": 120,
-    "tests/test_training.py::test_four_device_checkpoint_restores_on_two_devices": 87,
-    "tests/test_training.py::test_pod_dry_run_compiles_for_two_v5p_2x2x2_slices": 85,
-    "tests/test_training.py::test_two_processes_reach_the_loss_of_one": 83,
-    "tests/test_tpu_strict.py::test_tpu_kernels_conform_under_the_strict_interpreter"
-    "[strict_causal_packed_gqa_d128_alibi]": 80,
-    "tests/test_bench.py::test_quick_grid_writes_every_cell_json_and_plots": 78,
-    "tests/test_training.py::test_long_docs_config_smoke_trains_on_one_cpu_device": 73,
-    "tests/test_parallel.py::test_sharded_equals_unsharded[xla_chunked]": 70,
-    "tests/test_memory.py::test_training_memory_plateaus": 69,
-    "tests/test_masks.py::test_block_map_matches_brute_force": 50,
-    "tests/test_tpu_strict.py::test_tpu_kernels_conform_under_the_strict_interpreter"
-    "[strict_window_dropout_packed_gqa]": 48,
-    "tests/test_parallel.py::test_sharded_equals_unsharded[reference]": 41,
-    "tests/test_conformance.py::test_interpreted_cases_on_random_configs[flash_pallas-tpu]": 35,
-    "tests/test_tpu_check.py::test_dry_run_checks_times_and_reports": 35,
-    "tests/test_parallel.py::test_multiprocess_sharded_and_ring_agree_with_single_process": 34,
-    "tests/test_tpu_aot.py::test_float32_head_dim_256_fits_the_generations_vmem[v6e]": 34,
-}
+# Two tiers (docs/testing.md). The default tier, which the README's test command and CI's first step
+# run, is every test not marked `slow` (pyproject's addopts: -m "not slow"); the second tier,
+# `python -m pytest -n 2 -q -m slow`, holds the large and exhaustive versions, and CI runs it too.
+#
+# Scheduling only: tests recorded in tests/durations.json at LONG_TEST_S or more start first, longest
+# first, so that `pytest -n 2` does not end with one worker running a minute-long test while the other
+# idles; the rest keep file order (module fixtures stay together). A stale figure changes the order,
+# never a result. `--random-order` (pytest-random-order) shuffles instead.
+LONG_TEST_S = 5.0
 
 
 # flax's own test files, run against our layers by tests/test_flax_upstream.py (not collected as they are).
 collect_ignore = ["flax_upstream"]
 
 
+def pytest_addoption(parser):
+  profile_plugin.add_options(parser)
+
+
+def pytest_configure(config):
+  if config.getoption("--profile-out") or config.getoption("--write-durations"):
+    config.pluginmanager.register(profile_plugin.Profiler(config), "flash_layers_profile")
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by mark
 def pytest_collection_modifyitems(config, items):
-  items.sort(key=lambda item: -LONG_TESTS.get(item.nodeid, 0))  # stable: the rest keep their order
+  covered = tiering.covering_keeps(items)
+  for item in items:
+    if any(item.nodeid == name or (name.endswith("[") and item.nodeid.startswith(name))
+           for name in tiering.SECOND_TIER) or (
+        item.nodeid.split("[")[0] in tiering.COVERINGS and item.nodeid not in covered):
+      item.add_marker(tiering.SLOW)
+  shuffled = config.getoption("random_order_enabled", False) or not str(
+      config.getoption("random_order_bucket", "default:")).startswith("default:")
+  if shuffled:  # pytest-random-order's order stands
+    return
+  seconds = profile_plugin.load_durations()
+  long = lambda item: seconds.get(item.nodeid, 0.0) if seconds.get(item.nodeid, 0.0) >= LONG_TEST_S else 0.0
+  items.sort(key=lambda item: -long(item))  # stable: the rest keep their order

@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import tiering
 
 import flash_layers as fl
 from flash_layers.testing import reference64
@@ -377,6 +378,10 @@ CONFIGS = [
            head_dim=128, causal=True, q_offset=8188, segments="ragged"),
     Config("decode_16q_causal_window_softcap_dv", q_len=16, kv_len=3000, heads=2, causal=True,
            window=(1000, 0), q_offset=2984, softcap=4.0, input_scale=2.0, head_dim_v=64),
+    # The same path at the smallest size that still splits (2 splits of 128 keys on the TPU family, 18
+    # of 64 on the GPU family): what the default tier runs (the 8k cases are its second tier).
+    Config("decode_ragged_causal_1k_gqa", q_len=2, kv_len=1100, batch=3, heads=4, kv_heads=2, head_dim=64,
+           causal=True, q_offset=1098, segments="ragged"),
 ]
 CONFIG_BY_NAME = {c.name: c for c in CONFIGS}
 
@@ -604,8 +609,61 @@ def _bf16_configs(case) -> tuple[str, ...]:
   return INTERPRETED_BF16 if case[0] == "flash_pallas" else BF16_CONFIGS
 
 
+# ----------------------------------------------------------------------------
+# The default tier: per case and dtype, the cheapest configurations that together hold everything the
+# full grid holds (tiering.cover). Every configuration still runs for every case in the second tier.
+# The grid is not sampled at random: a case's configurations are bundles of features, and what a bug
+# needs to show is one feature, or one of the interactions listed in _attributes (GQA x segment ids x
+# several tiles, causal x window, cross lengths x causal, ...), on that case; so each case keeps each
+# feature and each listed interaction at least once. Refusals raise before anything compiles: all kept.
+# ----------------------------------------------------------------------------
+
+def _attributes(cfg: Config, dtype: str = "float32") -> set:
+  """What a configuration exercises: its features and the shape properties the kernels tile by. In
+  bfloat16 (what changes is the casts around the same code) its features and tiling only."""
+  heads = "mha" if cfg.kvh == cfg.heads else ("mqa" if cfg.kvh == 1 else "gqa")
+  longest = max(cfg.q_len, cfg.s)
+  tiles = "decode" if cfg.q_len <= 16 and cfg.s >= 1024 else ("one" if longest <= 128 else "many")
+  attrs = {("feature", f) for f in cfg.features()}
+  if dtype == "bfloat16":  # the casts around the same code: each feature once (the rest: second tier)
+    return attrs | {("tiles", "one" if tiles == "one" else "many")}
+  attrs |= {("tiles", tiles), ("segments", cfg.segments)}
+  window = None if cfg.window is None else ("symmetric" if isinstance(cfg.window, int) else "pair")
+  head_dim = "lanes" if cfg.head_dim % 128 == 0 else ("odd" if cfg.head_dim % 32 else "small")
+  attrs |= {
+      ("heads", heads), ("head_dim", head_dim),
+      ("head_dim_v", cfg.dv != cfg.head_dim), ("causal", cfg.causal), ("window", window),
+      ("cross", "q<kv" if cfg.q_len < cfg.s else ("q>kv" if cfg.q_len > cfg.s else "self")),
+      ("batch", cfg.batch > 1), ("scale", cfg.scale is not None), ("length 1", cfg.q_len == 1)}
+  # Interactions kept together: a kernel's tiling meets its masking.
+  if cfg.segments and tiles != "one":
+    attrs.add(("segments x heads x tiles", cfg.segments == "packed" and heads != "mha"))
+  if cfg.causal and cfg.window is not None:
+    attrs.add(("causal x window", True))
+  if cfg.causal and cfg.q_len != cfg.s:
+    attrs.add(("causal x cross", True))
+  if cfg.dropout:  # the keep mask's stream per (batch row, head): both > 1, not broadcast
+    attrs.add(("dropout", cfg.dropout_broadcast, cfg.batch > 1 and cfg.heads > 1))
+  return attrs
+
+
+def _cost(cfg: Config) -> float:
+  """What a configuration costs an interpreted kernel: a compile, then its (128 x 128) tiles."""
+  return 1.0 + cfg.batch * cfg.heads * -(-cfg.q_len // 128) * -(-cfg.s // 128) / 64
+
+
+@functools.cache
+def default_tier(case, dtype: str) -> frozenset[str]:
+  names = _bf16_configs(case) if dtype == "bfloat16" else [c.name for c in CONFIGS]
+  configs = [CONFIG_BY_NAME[n] for n in names if _runs(case, CONFIG_BY_NAME[n])]
+  refusals = [c for c in configs if c.features() & set(REFUSED.get(case, ()))]
+  served = [c for c in configs if c not in refusals]
+  return frozenset(c.name for c in refusals + tiering.cover(served, lambda c: _attributes(c, dtype), _cost))
+
+
 @pytest.mark.parametrize(("case", "config", "dtype"), [
-    pytest.param(case, cfg.name, dtype, id=f"{_case_id(case)}-{cfg.name}-{dtype}")
+    tiering.param(case, cfg.name, dtype, id=f"{_case_id(case)}-{cfg.name}-{dtype}",
+                  default=cfg.name in default_tier(case, dtype))
     for case in CASES for cfg in CONFIGS if _runs(case, cfg)
     for dtype in ("float32", "bfloat16") if dtype == "float32" or cfg.name in _bf16_configs(case)])
 def test_conforms(case, config, dtype):

@@ -75,6 +75,16 @@ def _check(results: list[dict], expected_cases: int) -> None:
   assert not failures, "\n".join(failures)
 
 
+# The default tier's 8-device check: one interpreter runs every strategy on the sequence mesh (and auto
+# on data x tensor) for two requests, causal packed documents and a trainable T5 table (a per-head
+# operand that takes gradients); the full table below is the second tier.
+def test_every_strategy_on_eight_devices_in_one_process():
+  requests = ["packed", "t5_table"]
+  results = _run(["xla_chunked", ",".join(STRATEGIES), ",".join(requests), "sequence,data_tensor"])
+  _check(results, len(requests) * (len(STRATEGIES) + 1))
+  assert {r["strategy"] for r in results} == {*STRATEGIES, "auto"}
+
+
 # One subprocess per strategy: the whole request table on the three sequence meshes, xla_chunked.
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_request_on_every_sequence_mesh(strategy):

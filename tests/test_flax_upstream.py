@@ -52,7 +52,9 @@ def _run(tmp_path) -> tuple[set[str], set[str]]:
       text = text.replace(old, new)
     (tmp_path / f"test_{name}").write_text(text, encoding="utf-8")
   report = tmp_path / "report.xml"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
+  # The outer run's PYTEST_ADDOPTS (a shuffle, coverage) are not flax's tests' options.
+  env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"} | dict(JAX_PLATFORMS="cpu",
+                                                                             PYTHONPATH=str(ROOT))
   command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}",
              str(tmp_path)]
   proc = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)

@@ -77,3 +77,15 @@ def test_executed_grid_points_of_a_mask_mod_are_its_visible_tiles(name):
   assert recorded["block_sizes"] == str(BLOCKS)
   row = next(r for r in recorded["rows"] if r["mask_mod"] == name)
   assert (row["executed_points"], row["visible_tiles"]) == (points, tiles)
+
+
+@pytest.mark.parametrize("name", tpu_grid.MOD_MASKS)
+def test_executed_grid_points_of_a_mask_mod_at_small_tiles(name):
+  """The property above at the smallest size that shows it: 1,024 tokens in 128 x 128 tiles (8 per
+  axis), a 300-key prefix and 256-token chunks, so that empty, partial and full tiles all occur.
+  The 32k case with the kernels' own tiles (what the docs quote) is its second-tier version."""
+  blocks, t, prefix, chunk = fl.BlockSizes(128, 128), 1024, 300, 256
+  points = tpu_grid.executed_points(name, blocks, t, prefix, chunk)
+  tiles = tpu_grid.interval_tiles(*tpu_grid.mod_intervals(name, t, prefix, chunk), 128, 128)
+  assert tiles < (t // 128) ** 2  # some tiles are empty ...
+  assert tiles <= points <= MAX_OVERHEAD * tiles, (points, tiles)  # ... and never enter the grid
