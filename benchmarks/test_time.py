@@ -78,6 +78,11 @@ def one_round(ci: bool, python: str, addopts: str = "") -> dict:
     shutil.rmtree(work, ignore_errors=True)
 
 
+def _passed(round_: dict) -> int | None:
+  found = re.search(r"(\d+) passed", " ".join(round_["summary"]))
+  return int(found.group(1)) if found else None
+
+
 def _cpu_model() -> str:
   try:
     with open("/proc/cpuinfo") as f:
@@ -108,7 +113,7 @@ def main(argv=None) -> None:
   result = {
       "date": datetime.date.today().isoformat(), "commit": commit,
       "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-      "cpu_model": _cpu_model(), "rounds": rounds,
+      "cpu_model": _cpu_model(), "rounds": rounds, "default_tests": _passed(rounds[0]),
       "median_wall_s": walls[len(walls) // 2], "median_wall_min": walls[len(walls) // 2] / 60}
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps(result, indent=1) + "\n")

@@ -364,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> int:
       "baseline": {"tests": selection, "passed": baseline_ok, "returncode": baseline.returncode,
                    "seconds": round(baseline.seconds, 1), "failed_tests": baseline.failed,
                    "passed_tests": baseline.passed},
-      "mutants": rows, "all_caught": all_caught, "total_seconds": round(total, 1),
+      "mutants": rows, "mutants_count": len(rows), "caught_count": sum(bool(r["caught"]) for r in rows),
+      "all_caught": all_caught, "total_seconds": round(total, 1),
   }
   out.write_text(json.dumps(report, indent=2) + "\n")
   print(f"wrote {out.relative_to(ROOT) if out.is_relative_to(ROOT) else out}")

@@ -31,6 +31,7 @@ COMPILE_EVENTS = {
     "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
     "/jax/core/compile/backend_compile_duration": "compile",
 }
+STAGES = ("trace", "lower", "compile")
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -113,3 +114,33 @@ def _merge_durations(records: list[dict], config: pytest.Config) -> None:
         "seconds": dict(sorted(seconds.items())),
     }, f, indent=0)
     f.write("\n")
+
+
+def summarize(records: list[dict]) -> dict:
+  """Totals of a profile: tests, wall and compile seconds, and per test module."""
+  modules: dict[str, dict] = {}
+  for r in records:
+    m = modules.setdefault(r["test"].split("::")[0], {"tests": 0, "wall_s": 0.0, "compile_s": 0.0})
+    m["tests"] += 1
+    m["wall_s"] += r["wall"]
+    m["compile_s"] += sum(r.get(k, 0.0) for k in STAGES)
+  wall = sum(m["wall_s"] for m in modules.values())
+  compile_s = sum(m["compile_s"] for m in modules.values())
+  return {"tests": len(records), "wall_s": round(wall, 1), "compile_s": round(compile_s, 1),
+          "compile_share": round(compile_s / wall, 3),
+          "stages_s": {k: round(sum(r.get(k, 0.0) for r in records), 1) for k in STAGES},
+          "modules": {k: {"tests": v["tests"], "wall_s": round(v["wall_s"], 1),
+                          "compile_s": round(v["compile_s"], 1)}
+                      for k, v in sorted(modules.items(), key=lambda kv: -kv[1]["wall_s"])},
+          "slowest": [{"test": r["test"], "wall_s": round(r["wall"], 1),
+                       "compile_s": round(sum(r.get(k, 0.0) for k in STAGES), 1)}
+                      for r in sorted(records, key=lambda r: -r["wall"])[:60]]}
+
+
+if __name__ == "__main__":  # python tests/profile_plugin.py DIR/profile.json [...]: the summary as JSON
+  import sys
+  rows = []
+  for name in sys.argv[1:]:
+    with open(name) as f:
+      rows += json.load(f)
+  print(json.dumps(summarize(rows), indent=1))
