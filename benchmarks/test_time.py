@@ -70,12 +70,23 @@ def one_round(ci: bool, python: str, addopts: str = "") -> dict:
       load = os.getloadavg()
       wall, out, rc = _sh(TESTS, repo, env)
     summaries = re.findall(r"^=*\s*(\d+ passed.*?)\s*=*$", out, re.M) or out.splitlines()[-3:]
+    tiers = tier_runs(summaries)
     return {"command": "bash .ci/run" if ci else TESTS, "pytest_addopts": addopts, "wall_s": round(wall, 1),
             "install_s": None if install is None else round(install, 1), "returncode": rc,
-            "load_average_before": [round(x, 2) for x in load], "summary": summaries,
+            "load_average_before": [round(x, 2) for x in load], "summary": summaries, "tiers": tiers,
             "tail": out[-2000:] if rc else ""}
   finally:
     shutil.rmtree(work, ignore_errors=True)
+
+
+def tier_runs(summaries: list[str]) -> list[dict]:
+  """Each pytest run's tests and seconds, from its summary line ("1309 passed in 680.1s (0:11:20)")."""
+  runs = []
+  for line in summaries:
+    found = re.search(r"(\d+) passed.* in ([0-9.]+)s", line)
+    if found:
+      runs.append({"passed": int(found.group(1)), "seconds": float(found.group(2))})
+  return runs
 
 
 def _passed(round_: dict) -> int | None:
