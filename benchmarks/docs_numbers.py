@@ -671,5 +671,35 @@ def main(argv: list[str] | None = None) -> int:
   return 1 if problems else 0
 
 
+# The test tiers (docs/testing.md, docs/benchmarks.md "The test suite"): the whole suite before the
+# tiers, the default tier timed as a newcomer runs it, CI's two tiers, branch coverage, injected bugs.
+_TESTS_BEFORE = "test-profile-before-2026-12-07.json"
+_TESTS_TIME = "test-time-default-2026-12-07.json"
+_TESTS_CI = "test-time-ci-coverage-2026-12-07.json"
+_TESTS_COV = "test-coverage-2026-12-07.json"
+_MUTANTS = "mutants-2026-12-07.json"
+REGISTRY.update({
+    "tests.before.count": Number(_TESTS_BEFORE, "profile.tests", ",d"),
+    "tests.before.wall_min": Number(_TESTS_BEFORE, "wall_s", ".1f", 1 / 60),
+    "tests.before.worker_min": Number(_TESTS_BEFORE, "profile.wall_s", ".0f", 1 / 60),
+    "tests.before.compile_pct": Number(_TESTS_BEFORE, "profile.compile_share", ".0f", 100),
+    "tests.default.median_min": Number(_TESTS_TIME, "median_wall_s", ".1f", 1 / 60),
+    **{f"tests.default.round{i}_min": Number(_TESTS_TIME, f"rounds.[{i}].wall_s", ".1f", 1 / 60)
+       for i in range(3)},
+    "tests.default.count": Number(_TESTS_TIME, "default_tests", ",d"),
+    "tests.default.date": Number(_TESTS_TIME, "date", "s"),
+    "tests.ci.wall_min": Number(_TESTS_CI, "wall_s", ".1f", 1 / 60),
+    "tests.ci.default_min": Number(_TESTS_CI, "default_tier_wall_s", ".1f", 1 / 60),
+    "tests.ci.slow_count": Number(_TESTS_CI, "second_tier_tests", ",d"),
+    "tests.ci.slow_min": Number(_TESTS_CI, "second_tier_wall_s", ".1f", 1 / 60),
+    "tests.cov.before": Number(_TESTS_COV, "rows.before.branch_percent", ".1f"),
+    "tests.cov.both": Number(_TESTS_COV, "rows.both.branch_percent", ".1f"),
+    "tests.cov.default": Number(_TESTS_COV, "rows.default.branch_percent", ".1f"),
+    "tests.cov.share": Number(_TESTS_COV, "rows.default_share_of_both_branches_percent", ".1f"),
+    "tests.mutants.total": Number(_MUTANTS, "mutants_count", "d"),
+    "tests.mutants.caught": Number(_MUTANTS, "caught_count", "d"),
+})
+
+
 if __name__ == "__main__":
   sys.exit(main())
