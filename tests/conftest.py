@@ -84,5 +84,5 @@ def pytest_collection_modifyitems(config, items):
   if shuffled:  # pytest-random-order's order stands
     return
   seconds = profile_plugin.load_durations()
-  long = lambda item: seconds.get(item.nodeid, 0.0) if seconds.get(item.nodeid, 0.0) >= LONG_TEST_S else 0.0
-  items.sort(key=lambda item: -long(item))  # stable: the rest keep their order
+  long = {nodeid: s for nodeid, s in seconds.items() if s >= LONG_TEST_S}
+  items.sort(key=lambda item: -long.get(item.nodeid, 0.0))  # stable: the rest keep their order

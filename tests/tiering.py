@@ -4,16 +4,15 @@ Every case of a grid stays collected under its own test id. The ones the default
 carry the `slow` mark, so `-m slow` (the second tier, which CI also runs) runs them, and together the
 two tiers run exactly the whole grid. docs/testing.md says what each tier holds.
 
-Two ways to choose the default-tier cases:
+Three ways to choose the default-tier cases:
 - `cover`: where each case is a bundle of features (the conformance configurations), the cheapest
-  cases that together hold every required attribute, chosen greedily in a fixed order. It keeps every
-  feature, and every listed combination of interacting features, in the default tier.
-- `covering`: where the grid's dimensions are independent (a property that holds per generation and
-  per shape, say), a covering array from allpairspy: with strength 2 every pair of values of two
-  dimensions appears in some default-tier case; with strength 1 every value of every dimension does
-  (for two dimensions, strength 2 is the whole grid). allpairspy's generation is deterministic for a
-  given order of the dimensions and values (no random seed is involved), so the tiers do not change
-  from run to run.
+  cases that together hold every attribute, chosen greedily in a fixed order. It keeps every feature,
+  and every listed combination of interacting features, in the default tier.
+- `COVERINGS`: where the grid's dimensions are independent (a property that holds per generation and
+  per shape, say), a covering array of strength 1 from allpairspy: every value of every dimension
+  appears in some default-tier case. allpairspy's generation is deterministic for a given order of the
+  dimensions and values (no random seed is involved), so the tiers do not change from run to run.
+- `SECOND_TIER`: single tests by id, each beside the default-tier test that checks the same property.
 """
 
 from __future__ import annotations
@@ -32,18 +31,13 @@ def param(*values, default: bool, id: str | None = None):
 
 
 def cover(cases: Sequence, attributes: Callable[[object], Iterable[Hashable]],
-          cost: Callable[[object], float] = lambda case: 0.0, required: Iterable[Hashable] | None = None,
-          always: Iterable = ()) -> list:
-  """The cases the default tier runs: `always`, then greedily the case adding the most uncovered
-  attributes per unit of cost (ties: the cheaper, then the earlier), until every attribute of
-  `required` (default: every attribute of any case) is held by a chosen case."""
+          cost: Callable[[object], float] = lambda case: 0.0) -> list:
+  """The cases the default tier runs: greedily the case adding the most uncovered attributes per unit
+  of cost (ties: the cheaper, then the earlier), until every attribute of any case is held by a
+  chosen case."""
   attrs = {i: set(attributes(c)) for i, c in enumerate(cases)}
-  chosen = [i for i, c in enumerate(cases) if c in list(always)]
-  need = set(required) if required is not None else set().union(*attrs.values())
-  need -= set().union(*(attrs[i] for i in chosen))
-  unknown = need - set().union(*attrs.values())
-  if unknown:
-    raise ValueError(f"no case holds the required attributes {sorted(map(str, unknown))}")
+  chosen: list[int] = []
+  need = set().union(*attrs.values())
   while need:
     best = max((i for i in attrs if i not in chosen and attrs[i] & need),
                key=lambda i: (len(attrs[i] & need) / (1.0 + cost(cases[i])), -cost(cases[i]), -i))
@@ -52,25 +46,18 @@ def cover(cases: Sequence, attributes: Callable[[object], Iterable[Hashable]],
   return [cases[i] for i in sorted(chosen)]
 
 
-def covering(dimensions: Sequence[Sequence], strength: int = 2) -> set[tuple]:
-  """A covering array of `strength` over `dimensions` (each a list of values), from allpairspy."""
-  if len(dimensions) <= strength:
+def covering(dimensions: Sequence[Sequence]) -> set[tuple]:
+  """A covering array of strength 1 over `dimensions` (each a list of values), from allpairspy."""
+  if len(dimensions) <= 1:
     return set(itertools.product(*dimensions))
   from allpairspy import AllPairs
-  return {tuple(row) for row in AllPairs([list(d) for d in dimensions], n=strength)}
-
-
-def grid(dimensions: Sequence[Sequence], strength: int, ids: Callable[[tuple], str] | None = None) -> list:
-  """Every combination of `dimensions` as pytest params; those outside the covering array of
-  `strength` are marked slow."""
-  keep = covering(dimensions, strength)
-  return [param(*combo, default=combo in keep, id=None if ids is None else ids(combo))
-          for combo in itertools.product(*dimensions)]
+  return {tuple(row) for row in AllPairs([list(d) for d in dimensions], n=1)}
 
 
 # Tests of the second tier by id (an id ending in "[" takes every case of that test), each with the
 # default-tier test that checks the same property at a smaller size or on fewer cases. conftest.py
-# marks them `slow`. Grids cut by `cover` or `covering` are marked where they are parametrized.
+# marks them and the COVERINGS cases left out `slow`; the conformance grid (`cover`) is marked where it
+# is parametrized.
 CP = "tests/test_context_parallel.py::"
 SECOND_TIER: dict[str, str] = {
     # 8 simulated devices in subprocesses: the full strategy x mesh x request tables.
@@ -202,12 +189,13 @@ COVERINGS: dict[str, tuple] = {
     "tests/test_paged.py::test_float32_matches_oracle": ("case", "name"),
     "tests/test_paged.py::test_bfloat16_within_twice_the_reference_impl_error": ("case", "name"),
     "tests/test_paged_tpu.py::test_compiles_to_our_mosaic_kernel": ("generation", "kv_dtype"),
-    # The score_mod table's gradient per kernel family and per mask: the mask reaches the gradient only
-    # through the visible pairs (each family's masks are its conformance cases).
     # Parity with transformers per impl and per checkpoint family: the impl's attention is its conformance
     # case, the family's layout is independent of it (test_models.py, test_export.py per family).
     "tests/test_hf_parity.py::test_matches_hugging_face_padded_and_packed": ("case", "name"),
+    # The mask_mod path once per kernel family (each rule: the XLA impls above and the conformance mods).
     "tests/test_mask_mods.py::test_named_mask_mods_equal_the_builtin_arguments_in_our_kernels": ("family",),
+    # The score_mod table's gradient per kernel family and per mask: the mask reaches the gradient only
+    # through the visible pairs (each family's masks are its conformance cases).
     "tests/test_operand_grads.py::test_table_gradient_matches_the_float64_oracle":
         ("platform", ("causal", "prefix")),
 }
@@ -227,6 +215,6 @@ def covering_keeps(items: list) -> set[str]:
     dims = [d if isinstance(d, tuple) else (d,) for d in dims]
     coords = {i.nodeid: tuple(tuple(_value_id(i.callspec.params[n]) for n in d) for d in dims) for i in cases}
     values = [list(dict.fromkeys(c[k] for c in coords.values())) for k in range(len(dims))]
-    for combo in covering(values, strength=1):  # the first case with those values (others: second tier)
+    for combo in covering(values):  # the first case with those values (others: second tier)
       keep.update(next(([n] for n, c in coords.items() if c == combo), []))
   return keep
