@@ -24,7 +24,7 @@ from flash_layers.errors import UserError
 from flash_layers.models import pretrained
 from flash_layers.models.export import check_exportable, export_model, model_type_of
 from flash_layers.training import checkpoint as checkpoint_lib
-from flash_layers.training import cli, evaluate, sharding
+from flash_layers.training import cli, evaluate, objectives, sharding
 from flash_layers.training import config as config_lib
 from flash_layers.training import task as task_lib
 
@@ -35,7 +35,7 @@ def saved_config(workdir: str, checkpoint: str | int = "best"):
   """The config a checkpoint of the run was trained with, as a ConfigDict (default_config() with the
   saved values: a field added since the run keeps its default)."""
   checkpoint_lib.check_restorable(workdir, checkpoint)
-  checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=1, best_metric="accuracy")
+  checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=1, best_metric="loss")
   try:
     restored = checkpoints.restore_config(which=checkpoint)
   finally:
@@ -49,7 +49,8 @@ def saved_config(workdir: str, checkpoint: str | int = "best"):
 
 def restore_run(workdir: str, *, config=None, checkpoint: str | int = "best") -> dict[str, Any]:
   """A run's {"model", "params" (host arrays), "label_names", "tokenizer", "config", "step",
-  "model_type"}: what `export_model` takes, restored from the checkpoint `checkpoint`."""
+  "model_type", "objective"}: what `export_model` takes, restored from the checkpoint `checkpoint`
+  (the objective with the head saved with it: thresholds, target statistics)."""
   if checkpoint not in ("latest", "best") and not str(checkpoint).isdigit():
     raise UserError(f"--checkpoint must be 'latest', 'best' or a step number; got {checkpoint!r}")
   which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
@@ -65,10 +66,22 @@ def restore_run(workdir: str, *, config=None, checkpoint: str | int = "best") ->
     source_type = source.get("model_type", "bert")
   model_type = model_type_of(task.model, source_type)
   check_exportable(task.model, model_type)  # before the params are read
-  step, params = evaluate.restore_params(config, workdir, task, mesh, which)
+  step, params, objective = evaluate.restore_params(config, workdir, task, mesh, which)
   return {"model": task.model, "params": jax.tree.map(np.asarray, params), "label_names": task.label_names,
           "tokenizer": task_lib.tokenizer_path(config), "config": config, "step": step,
-          "model_type": model_type}
+          "model_type": model_type, "objective": objective}
+
+
+def task_fields(objective: objectives.Objective) -> dict[str, Any]:
+  """`export_model`'s task arguments for a run's objective."""
+  fields: dict[str, Any] = {"problem_type": objective.problem_type}
+  if isinstance(objective, objectives.MultiLabel):
+    fields["thresholds"] = list(objective.thresholds)
+  standardized = any(objective.mean) or any(s != 1 for s in objective.std) \
+      if isinstance(objective, objectives.Regression) else False
+  if standardized:
+    fields["standardization"] = (objective.mean, objective.std)
+  return fields
 
 
 def export_to_transformers(workdir: str, out_dir: str | pathlib.Path, *, config=None,
@@ -83,7 +96,7 @@ def export_to_transformers(workdir: str, out_dir: str | pathlib.Path, *, config=
     raise UserError(f"--out {out}: already holds an export (config.json); choose another directory")
   return export_model(run["model"], run["params"], out, label_names=run["label_names"],
                       tokenizer=run["tokenizer"], model_type=run["model_type"],
-                      max_tokens=run["config"].model.max_len)
+                      max_tokens=run["config"].model.max_len, **task_fields(run["objective"]))
 
 
 def _define_flags():

@@ -67,7 +67,8 @@ def test_label_vocabulary_is_built_on_train_saved_and_reused(tmp_path):
 def test_unseen_label_at_eval_names_file_and_line(tmp_path):
   vocab = data.LabelVocab(("neg", "pos"))
   path = write(tmp_path / "test.csv", "text,label\ngood,pos\nmeh,neutral\n")
-  with pytest.raises(data.DataError, match=r"test\.csv:3: label 'neutral' was not seen in training"):
+  with pytest.raises(data.DataError,
+                     match=r"test\.csv:3: field 'label': label 'neutral' was not seen in training"):
     data.load(path, split="test", label_vocab=vocab)
 
 

@@ -23,6 +23,7 @@ import pytest
 
 import flash_layers as fl
 from flash_layers import models
+from flash_layers.training import objectives
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "hf_tiny"
 CASES = [("reference", None), ("xla_native", None), ("xla_chunked", None), ("flash_pallas", "tpu"),
@@ -323,7 +324,8 @@ def test_modernbert_checkpoint_fine_tunes_through_the_training_stack():
   data = {"input_ids": ids, "segment_ids": seg, "positions": np.asarray(models.positions_from_segments(seg)),
           "labels": labels}
   logits_fn = task_lib.make_logits_fn(model)
-  step = jax.jit(steps_lib.make_train_step(logits_fn, tx, schedule, num_labels=3, seed=0))
+  objective = objectives.build("classification", "abc")
+  step = jax.jit(steps_lib.make_train_step(logits_fn, tx, schedule, objective=objective, seed=0))
   losses = []
   with sharding_lib.sharding_context(mesh):
     for _ in range(3):

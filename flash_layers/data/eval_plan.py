@@ -41,6 +41,7 @@ from typing import NamedTuple
 import numpy as np
 
 from flash_layers.data.pipeline import pack_rows
+from flash_layers.data.readers import SINGLE, LabelSpec
 from flash_layers.data.tokenize import TextTokenizer
 
 AGGREGATIONS = ("mean", "max")
@@ -111,15 +112,16 @@ def plan_batches(lengths: Sequence[int], *, batch_size: int, max_docs: int, buck
   return plan
 
 
-def eval_batches(texts: Sequence[str], labels: Sequence[int] | None, tokenizer: TextTokenizer, *,
+def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextTokenizer, *,
                  batch_size: int, max_docs_per_row: int = 8, pack: bool = True,
                  buckets: Sequence[int] | None = None, row_tokens: int | None = ROW_TOKENS,
-                 row_multiple: int = 1, process_index: int = 0,
-                 process_count: int = 1) -> list[dict[str, np.ndarray]]:
+                 row_multiple: int = 1, process_index: int = 0, process_count: int = 1,
+                 label_spec: LabelSpec = SINGLE) -> list[dict[str, np.ndarray]]:
   """This process's rows of every evaluation batch (module docstring).
 
   Args:
-    texts: the documents; labels: their int labels, or None (prediction: labels -1).
+    texts: the documents; labels: their labels as `Records` hold them (`label_spec` says how they
+      go into a batch: int ids by default), or None (prediction: every label slot empty).
     tokenizer: a TextTokenizer; its long_docs decides truncation or windows.
     batch_size: the most rows in a batch over all processes (a multiple of process_count and
       row_multiple).
@@ -150,9 +152,9 @@ def eval_batches(texts: Sequence[str], labels: Sequence[int] | None, tokenizer: 
   for planned in plan:
     local = planned.num_rows // process_count
     mine = planned.rows[process_index * local:(process_index + 1) * local]
-    batch = pack_rows([[(windows[i], -1 if labels is None else int(labels[doc_of[i]])) for i in row]
+    batch = pack_rows([[(windows[i], None if labels is None else labels[doc_of[i]]) for i in row]
                        for row in mine], batch_size=local, max_len=planned.row_len, max_docs=max_docs,
-                      pad_id=tokenizer.pad_id)
+                      pad_id=tokenizer.pad_id, label_spec=label_spec)
     doc_ids = np.full((local, max_docs), -1, np.int32)
     for r, row in enumerate(mine):
       doc_ids[r, :len(row)] = [doc_of[i] for i in row]

@@ -9,7 +9,9 @@ Every batch is a dict of int32 numpy arrays:
   input_ids    [batch, max_len]   pad id where there is no token
   segment_ids  [batch, max_len]   1, 2, ... for the documents of a row, 0 for padding
   positions    [batch, max_len]   position within its document (restarting at 0 for each), 0 on padding
-  labels       [batch, max_docs]  label of the row's d-th document (segment id d + 1), -1 where none
+  labels       [batch, max_docs]  label of the row's d-th document (segment id d + 1), -1 where none;
+               a multi-label or regression task adds a last axis (readers.LabelSpec: a multi-hot
+               row, -1 where none, or float32 targets, NaN where none)
 
 Without packing a row holds one document (max_docs = 1). With packing, documents are placed in
 order, greedily: a row takes the next document while it fits in max_len and the row has fewer
@@ -31,9 +33,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from flash_layers.data.readers import SINGLE, LabelSpec
 from flash_layers.data.tokenize import TextTokenizer
 
-Example = tuple[np.ndarray, int]  # (token ids of one window, label)
+Example = tuple[np.ndarray, Any]  # (token ids of one window, its document's label as Records hold it)
 
 
 class _Encode:
@@ -44,18 +47,18 @@ class _Encode:
 
   def __call__(self, records: Sequence[dict]) -> list[Example]:
     windows = self.tokenizer.encode([r["text"] for r in records])
-    return [(w, int(r["label"])) for r, ws in zip(records, windows, strict=True) for w in ws]
+    return [(w, r["label"]) for r, ws in zip(records, windows, strict=True) for w in ws]
 
 
 def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: int, max_docs: int,
-              pad_id: int = 0) -> dict[str, np.ndarray]:
-  """One batch from rows of examples; missing rows are empty (all padding, labels -1)."""
+              pad_id: int = 0, label_spec: LabelSpec = SINGLE) -> dict[str, np.ndarray]:
+  """One batch from rows of examples; missing rows are empty (all padding, labels empty)."""
   if len(rows) > batch_size:
     raise ValueError(f"{len(rows)} rows do not fit in batch_size={batch_size}")
   ids = np.full((batch_size, max_len), pad_id, np.int32)
   seg = np.zeros((batch_size, max_len), np.int32)
   pos = np.zeros((batch_size, max_len), np.int32)
-  labels = np.full((batch_size, max_docs), -1, np.int32)
+  labels = label_spec.empty(batch_size, max_docs)
   for r, row in enumerate(rows):
     if len(row) > max_docs:
       raise ValueError(f"row {r} has {len(row)} documents; max_docs={max_docs}")
@@ -67,7 +70,7 @@ def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: in
       ids[r, start:end] = tokens
       seg[r, start:end] = d + 1
       pos[r, start:end] = np.arange(len(tokens))
-      labels[r, d] = label
+      labels[r, d] = label_spec.encode(label)
       start = end
   return {"input_ids": ids, "segment_ids": seg, "positions": pos, "labels": labels}
 
@@ -122,7 +125,7 @@ class _PackedBatchesIterator(grain.DatasetIterator):
     if not rows or (cfg["drop_remainder"] and len(rows) < cfg["batch_size"]):
       raise StopIteration
     return pack_rows(rows, batch_size=cfg["batch_size"], max_len=cfg["max_len"],
-                     max_docs=cfg["max_docs"], pad_id=cfg["pad_id"])
+                     max_docs=cfg["max_docs"], pad_id=cfg["pad_id"], label_spec=cfg["label_spec"])
 
   def get_state(self) -> dict[str, Any]:
     if self._chunk is None or self._pos >= len(self._chunk):
@@ -198,8 +201,10 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
   if num_workers:
     _absl_flags_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  label_spec = getattr(records, "label_spec", SINGLE)
   return PackedBatches(it, batch_size=batch_size, max_len=tokenizer.max_len, max_docs=max_docs_per_row,
-                       pad_id=tokenizer.pad_id, pack=pack, drop_remainder=drop_remainder)
+                       pad_id=tokenizer.pad_id, pack=pack, drop_remainder=drop_remainder,
+                       label_spec=label_spec)
 
 
 def make_batches(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_size: int,
@@ -207,7 +212,8 @@ def make_batches(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
   """An iterator of batches (module docstring) with `get_state()` / `set_state(state)`.
 
   Args:
-    records: {"text", "label"} dicts, e.g. from `flash_layers.data.load`.
+    records: {"text", "label"} dicts, e.g. from `flash_layers.data.load`; a `Records` brings its
+      `label_spec` (multi-label and regression labels), a plain list has single int labels.
     tokenizer: a TextTokenizer; its max_len is the row length.
     batch_size: rows per batch on this process.
     pack: put several documents in a row (segment ids 1, 2, ...).

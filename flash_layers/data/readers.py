@@ -1,9 +1,21 @@
 """Readers for labelled text on disk: JSONL, CSV/TSV and a folder-per-class tree of .txt files.
 
-Every reader returns a `Records`: a list of {"text": str, "label": int} whose labels index a
-`LabelVocab`. The vocabulary comes from the training split and is saved with the model; at eval
-time it is passed back in, so that label ids mean the same thing in both runs and a label the
-model never saw is an error (naming the file and line) instead of a silent new class.
+Every reader returns a `Records`: a list of {"text": str, "label": ...} whose labels are of one
+`label_kind`:
+
+  "single"  one class per document: the label is an int id into a `LabelVocab`;
+  "multi"   a set of classes per document, possibly empty: a JSONL list, or a ";"-separated string
+            in CSV/TSV ("" = no label); the label is a sorted tuple of ids;
+  "values"  regression targets: a number, or a list of `num` numbers (JSONL), or a number / a
+            ";"-separated list of numbers (CSV/TSV); the label is a tuple of floats, and the
+            vocabulary names the outputs.
+
+The vocabulary comes from the training split and is saved with the model; at eval time it is
+passed back in, so that label ids mean the same thing in both runs and a label the model never saw
+is an error (naming the file and line) instead of a silent new class -- or, with
+unseen_labels="ignore", dropped and counted (`Records.unseen`). A label that cannot be read (a
+string for regression, a number where a set is expected) is a DataError naming the document (file
+and line) and the field.
 """
 
 from __future__ import annotations
@@ -12,13 +24,19 @@ import csv
 import dataclasses
 import io
 import json
+import math
 import pathlib
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from flash_layers.errors import UserError
 
 SPLITS = ("train", "dev", "test")
+LABEL_KINDS = ("single", "multi", "values")
+UNSEEN_LABELS = ("error", "ignore")
+MULTI_SEPARATOR = ";"  # between the labels of a document in a CSV/TSV cell
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
 _CHOOSE_COLUMNS = ("choose others with text_column= / label_column=; in train.py with "
                    "config.data.text_field / config.data.label_field")
@@ -98,18 +116,69 @@ def as_vocab(label_vocab) -> LabelVocab | None:
                   f"got {type(label_vocab).__name__}")
 
 
-class Records(list):
-  """A list of {"text": str, "label": int} with the task's `vocab` (label names) and `source`."""
+@dataclasses.dataclass(frozen=True)
+class LabelSpec:
+  """How one document's label becomes its slot in a batch's `labels` array (pipeline.pack_rows).
 
-  def __init__(self, items: Iterable[dict], *, vocab: LabelVocab, source: str, split: str):
+  "single": an int32 scalar per slot, -1 = no document / no label. "multi": an int32 multi-hot row
+  of `size` classes, all -1 = none. "values": a float32 row of `size` targets, NaN = none.
+  """
+
+  kind: str = "single"
+  size: int = 1
+
+  def __post_init__(self):
+    if self.kind not in LABEL_KINDS:
+      raise ValueError(f"label kind must be one of {LABEL_KINDS}; got {self.kind!r}")
+
+  @property
+  def shape(self) -> tuple[int, ...]:
+    return () if self.kind == "single" else (self.size,)
+
+  def empty(self, *leading: int) -> np.ndarray:
+    """A labels array of `leading` slots, all empty."""
+    if self.kind == "values":
+      return np.full((*leading, *self.shape), np.nan, np.float32)
+    return np.full((*leading, *self.shape), -1, np.int32)
+
+  def encode(self, label) -> np.ndarray | int:
+    """One document's label (as `Records` hold it) -> its slot's value; None -> empty."""
+    if label is None:
+      return self.empty()
+    if self.kind == "single":
+      return int(label)
+    if self.kind == "multi":
+      hot = np.zeros(self.size, np.int32)
+      hot[list(label)] = 1
+      return hot
+    return np.asarray(label, np.float32)
+
+
+SINGLE = LabelSpec()  # one int class per document
+
+
+class Records(list):
+  """A list of {"text": str, "label": ...} with the task's `vocab` (label or output names), its
+  `label_kind` (module doc), `source`, and `unseen`: {label: documents} dropped as unseen."""
+
+  def __init__(self, items: Iterable[dict], *, vocab: LabelVocab, source: str, split: str,
+               label_kind: str = "single", unseen: dict | None = None):
     super().__init__(items)
+    if label_kind not in LABEL_KINDS:
+      raise ValueError(f"label_kind must be one of {LABEL_KINDS}; got {label_kind!r}")
     self.vocab = vocab
     self.source = source
     self.split = split
+    self.label_kind = label_kind
+    self.unseen = dict(unseen or {})
 
   @property
   def num_labels(self) -> int:
     return len(self.vocab)
+
+  @property
+  def label_spec(self) -> LabelSpec:
+    return LabelSpec(self.label_kind, len(self.vocab))
 
   def __repr__(self) -> str:
     return f"Records({self.source!r}, split={self.split!r}, n={len(self)}, labels={list(self.vocab.names)})"
@@ -246,30 +315,123 @@ def split_path(root: pathlib.Path, split: str) -> pathlib.Path:
                   f"{[p.name for p in candidates]}")
 
 
+def _is_number(value) -> bool:
+  return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _class_names(label, kind: str, where: str, label_column: str, *, jsonl: bool) -> list:
+  """The raw class names of one document's label ("single": one name; "multi": a list, or a
+  ";"-separated CSV/TSV cell)."""
+  if kind == "multi":
+    if isinstance(label, str) and not jsonl:  # a CSV/TSV cell
+      return [part.strip() for part in label.split(MULTI_SEPARATOR) if part.strip()]
+    if not isinstance(label, list):
+      raise DataError(f"{where}field {label_column!r} must be a list of labels for multi-label data "
+                      f"(an empty list for none; in CSV/TSV {MULTI_SEPARATOR!r}-separated); got "
+                      f"{type(label).__name__} {label!r:.60}")
+    names = label
+  else:
+    names = [label]
+  for name in names:
+    if isinstance(name, bool) or not isinstance(name, (str, int)):
+      raise DataError(f"{where}field {label_column!r}: a label must be a string or an integer; got "
+                      f"{type(name).__name__} {name!r:.60}")
+  return names
+
+
+def _values(label, where: str, label_column: str, *, jsonl: bool) -> tuple[float, ...]:
+  """One document's regression targets as floats: a number or a list of numbers (JSONL), or a
+  number / ";"-separated numbers (CSV/TSV cells are strings)."""
+  if isinstance(label, str) and not jsonl:
+    parts = [p.strip() for p in label.split(MULTI_SEPARATOR)]
+    try:
+      values = [float(p) for p in parts]
+    except ValueError:
+      raise DataError(f"{where}field {label_column!r} must hold a number (or {MULTI_SEPARATOR!r}-separated "
+                      f"numbers) for regression; got {label!r:.60}") from None
+  elif _is_number(label):
+    values = [label]
+  elif isinstance(label, list) and label and all(_is_number(v) for v in label):
+    values = label
+  else:
+    raise DataError(f"{where}field {label_column!r} must be a number or a non-empty "
+                    f"list of numbers for regression; got {type(label).__name__} {label!r:.60}")
+  values = tuple(float(v) for v in values)
+  if not all(math.isfinite(v) for v in values):
+    raise DataError(f"{where}field {label_column!r}: regression targets must be "
+                    f"finite; got {label!r:.60}")
+  return values
+
+
+def _value_names(label_column: str, count: int) -> tuple[str, ...]:
+  return (label_column,) if count == 1 else tuple(f"{label_column}[{i}]" for i in range(count))
+
+
 def read(path: str | pathlib.Path, *, split: str = "train", label_vocab=None, text_column: str = "text",
-         label_column: str = "label") -> Records:
+         label_column: str = "label", label_kind: str = "single", unseen_labels: str = "error") -> Records:
   """Records of a dataset on disk.
 
   `path` is a .jsonl/.csv/.tsv file, a folder of <label>/*.txt, or a directory holding
   train/dev/test as such files or folders. Without `label_vocab` the vocabulary is built from
-  this split when it is "train", and from the directory's train split otherwise.
+  this split when it is "train", and from the directory's train split otherwise. `label_kind`
+  and `unseen_labels` ("error", or "ignore": an unseen class is dropped from a "multi" label set,
+  a document whose "single" label is unseen is dropped; both counted in `Records.unseen`) as the
+  module doc says.
   """
   if split not in SPLITS:
     raise ValueError(f"split must be one of {SPLITS}; got {split!r}")
+  if label_kind not in LABEL_KINDS:
+    raise ValueError(f"label_kind must be one of {LABEL_KINDS}; got {label_kind!r}")
+  if unseen_labels not in UNSEEN_LABELS:
+    raise ValueError(f"unseen_labels must be one of {UNSEEN_LABELS}; got {unseen_labels!r}")
   root = pathlib.Path(path)
   source = split_path(root, split)
+  if label_kind != "single" and source.is_dir():
+    raise DataError(f"{source}: a folder-per-class tree holds one label per document; "
+                    f"{label_kind!r} labels need a JSONL, CSV or TSV file")
   vocab = as_vocab(label_vocab)
+  jsonl = FILE_FORMATS.get(source.suffix.lower()) == "jsonl"
   raw = list(_raw(source, text_column, label_column))
-  for _, label, where in raw:
-    if isinstance(label, bool) or not isinstance(label, (str, int)):
-      raise DataError(f"{where}label must be a string or an integer; got {type(label).__name__} {label!r}")
+  common = dict(source=str(source), split=split, label_kind=label_kind)
+  if label_kind == "values":
+    items, count = [], None
+    for text, label, where in raw:
+      values = _values(label, where, label_column, jsonl=jsonl)
+      if count is None:
+        count = len(values)
+      elif len(values) != count:
+        raise DataError(f"{where}field {label_column!r} has {len(values)} values; the documents before it "
+                        f"have {count}")
+      items.append({"text": text, "label": values})
+    names = _value_names(label_column, count)
+    if vocab is not None and len(vocab) != count:
+      raise DataError(f"{source}: {count} regression targets per document, but the model has "
+                      f"{len(vocab)} outputs {list(vocab.names)}")
+    return Records(items, vocab=vocab or LabelVocab(names), **common)
+  names = [(text, _class_names(label, label_kind, where, label_column, jsonl=jsonl), where)
+           for text, label, where in raw]
   if vocab is None:
     if split == "train":
-      vocab = LabelVocab.build(label for _, label, _ in raw)
+      vocab = LabelVocab.build(n for _, ns, _ in names for n in ns)
     elif root.is_dir() and source != root:
-      vocab = read(root, split="train", text_column=text_column, label_column=label_column).vocab
+      vocab = read(root, split="train", text_column=text_column, label_column=label_column,
+                   label_kind=label_kind).vocab
     else:
       raise DataError(f"{source}: split {split!r} needs the training label vocabulary; pass "
                       "label_vocab= (a LabelVocab, or the path LabelVocab.save wrote)")
-  items = [{"text": text, "label": vocab.index(label, where=where)} for text, label, where in raw]
-  return Records(items, vocab=vocab, source=str(source), split=split)
+  items, unseen = [], {}
+  for text, labels, where in names:
+    ids = []
+    for name in labels:
+      if name in vocab._ids:
+        ids.append(vocab._ids[name])
+      elif unseen_labels == "ignore":
+        unseen[name] = unseen.get(name, 0) + 1
+      else:
+        vocab.index(name, where=f"{where}field {label_column!r}: ")  # raises, naming the label
+    if label_kind == "single":
+      if ids:
+        items.append({"text": text, "label": ids[0]})
+    else:
+      items.append({"text": text, "label": tuple(sorted(set(ids)))})
+  return Records(items, vocab=vocab, unseen=unseen, **common)

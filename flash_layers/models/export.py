@@ -1,4 +1,4 @@
-"""A classifier out to Hugging Face transformers: `AutoModelForSequenceClassification` loads it.
+"""A document model out to Hugging Face transformers: `AutoModelForSequenceClassification` loads it.
 
 `export_model(model, params, out_dir, ...)` writes a model and params in hand; a training run's
 workdir goes out through `flash_layers.export` (`python -m flash_layers.export`, which rebuilds the
@@ -6,12 +6,18 @@ model from the config stored with the checkpoint and calls this). The directory 
 
   config.json        the family's model_type ("bert", "roberta", "xlm-roberta", "modernbert"), its
                      *ForSequenceClassification architecture, every size field, id2label/label2id from
-                     the run's label names, and ModernBERT's classifier_pooling;
+                     the run's label names, ModernBERT's classifier_pooling, the task's problem_type
+                     ("single_label_classification", "multi_label_classification" or "regression"),
+                     and for multi-label the decision `thresholds` on each label's sigmoid probability
+                     (a field of ours: transformers keeps it on the config, and leaves deciding to you);
   model.safetensors  float32 tensors under exactly the names and shapes transformers' class reads
                      (the inverse of the import mapping in flash_layers.models.hf_bert / hf_modernbert);
   tokenizer.json, tokenizer_config.json, special_tokens_map.json
                      the run's tokenizer with padding and truncation left to the caller, and
                      model_max_length = the run's max_len (what it truncated documents to).
+
+A regression run trained on standardized targets exports its head with the map back folded in
+(kernel * std, bias * std + mean), so transformers' outputs are in the targets' units.
 
 Only what transformers' class computes identically is exported. Its BERT and RoBERTa classifiers
 always pool the first token through a dense + tanh layer, so a `Bert` with pooling="mean" (or with
@@ -167,16 +173,37 @@ def _labels(label_names: Sequence, num_labels: int) -> tuple[dict, dict]:
   return {str(i): n for i, n in enumerate(names)}, {n: i for i, n in enumerate(names)}
 
 
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+
+
+def fold_standardization(params, mean: Sequence[float], std: Sequence[float]):
+  """params whose classifier outputs `output * std + mean`: the regression head in target units."""
+  mean, std = np.asarray(mean, np.float64), np.asarray(std, np.float64)
+  head = dict(params["classifier"])
+  head["kernel"] = (np.asarray(head["kernel"], np.float64) * std).astype(np.float32)
+  head["bias"] = (np.asarray(head["bias"], np.float64) * std + mean).astype(np.float32)
+  return {**params, "classifier": head}
+
+
 def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
-              token_ids: dict[str, int] | None = None) -> dict[str, Any]:
+              token_ids: dict[str, int] | None = None, *, problem_type: str = "single_label_classification",
+              thresholds: Sequence[float] | None = None) -> dict[str, Any]:
   """config.json for `model_type`'s *ForSequenceClassification, every field our importer reads
   (flash_layers.models.hf_bert / hf_modernbert) and transformers' class honours."""
   check_exportable(model, model_type)
+  if problem_type not in PROBLEM_TYPES:
+    raise ExportError(f"problem_type must be one of {PROBLEM_TYPES}; got {problem_type!r}")
   id2label, label2id = _labels(label_names, model.num_labels)
   ids = {f"{role[:-len('_token')]}_token_id": i for role, i in (token_ids or {}).items()}
+  task_fields = {}
+  if thresholds is not None:
+    if problem_type != "multi_label_classification" or len(thresholds) != model.num_labels:
+      raise ExportError(f"thresholds: one per label, for problem_type 'multi_label_classification' only; "
+                        f"got {len(thresholds)} for {problem_type!r} with {model.num_labels} labels")
+    task_fields["thresholds"] = [float(t) for t in thresholds]
   common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "id2label": id2label,
             "label2id": label2id, "num_labels": model.num_labels,
-            "problem_type": "single_label_classification", "dtype": "float32",
+            "problem_type": problem_type, **task_fields, "dtype": "float32",
             "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
             "intermediate_size": model.mlp_dim, "initializer_range": model.initializer_range,
@@ -266,7 +293,9 @@ def write_tokenizer(tokenizer: str | pathlib.Path, out_dir: str | pathlib.Path,
 
 def export_model(model: Bert | ModernBert, params, out_dir: str | pathlib.Path, *, label_names: Sequence,
                  tokenizer: str | pathlib.Path | None, model_type: str | None = None,
-                 max_tokens: int | None = None) -> pathlib.Path:
+                 max_tokens: int | None = None, problem_type: str = "single_label_classification",
+                 thresholds: Sequence[float] | None = None,
+                 standardization: tuple[Sequence[float], Sequence[float]] | None = None) -> pathlib.Path:
   """Write `model` + `params` as a transformers *ForSequenceClassification directory; returns it.
 
   Args:
@@ -280,9 +309,16 @@ def export_model(model: Bert | ModernBert, params, out_dir: str | pathlib.Path, 
     max_tokens: the tokenizer's model_max_length, the length the run truncated documents to
       (config.model.max_len; the model may take more: a pretrained position table is never cut);
       None = the model's max_len.
+    problem_type: transformers' ("single_label_classification", "multi_label_classification",
+      "regression"); thresholds: multi-label decision thresholds, one per label, written to config.json.
+    standardization: (mean, std) per regression target, folded into the classifier (module doc).
   """
   model_type = model_type or model_type_of(model)
   check_exportable(model, model_type)
+  if standardization is not None:
+    if problem_type != "regression":
+      raise ExportError(f"standardization is for problem_type 'regression'; got {problem_type!r}")
+    params = fold_standardization(params, *standardization)
   tensors = hf_tensors(model, params, model_type)
   out = pathlib.Path(out_dir)
   if (out / "config.json").exists():
@@ -291,7 +327,8 @@ def export_model(model: Bert | ModernBert, params, out_dir: str | pathlib.Path, 
   token_ids = write_tokenizer(tokenizer, out, max_tokens or model.max_len) if tokenizer is not None else {}
   config = hf_config(model, model_type, label_names, {r: i for r, i in token_ids.items()
                                                       if r in ("pad_token", "bos_token", "eos_token",
-                                                               "cls_token", "sep_token")})
+                                                               "cls_token", "sep_token")},
+                     problem_type=problem_type, thresholds=thresholds)
   save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
   (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
   return out

@@ -27,6 +27,8 @@ METADATA = frozenset({
     "task_specific_params",
     # labels (from_pretrained builds a new classifier with num_labels=)
     "id2label", "label2id", "num_labels", "problem_type", "finetuning_task",
+    # a multi-label decision rule on the outputs (our export's), not part of the network
+    "thresholds",
     # special-token ids (the tokenizer's business; RoBERTa reads pad_token_id itself)
     "bos_token_id", "eos_token_id", "pad_token_id", "sep_token_id", "cls_token_id", "unk_token_id",
     "mask_token_id", "decoder_start_token_id",

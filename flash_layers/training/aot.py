@@ -28,6 +28,7 @@ from flash_layers.parallel.mesh import LOGICAL_RULES, make_mesh
 from flash_layers.training import collectives as collectives_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import objectives
 from flash_layers.training import optimizer as optimizer_lib
 from flash_layers.training import sharding as sharding_lib
 from flash_layers.training import state as state_lib
@@ -63,11 +64,11 @@ def hbm_per_chip(topology: str) -> int | None:
   return metrics_lib.HBM_BYTES.get(chip)
 
 
-def _abstract_batch(config, mesh, num_labels_slots: int = 1) -> dict:
+def _abstract_batch(config, mesh, objective, num_labels_slots: int = 1) -> dict:
   shape = (config.train.batch_size, config.model.max_len)
   example = {"input_ids": jnp.zeros(shape, jnp.int32), "segment_ids": jnp.zeros(shape, jnp.int32),
              "positions": jnp.zeros(shape, jnp.int32),
-             "labels": jnp.zeros((shape[0], num_labels_slots), jnp.int32)}
+             "labels": jnp.asarray(objective.label_spec.empty(shape[0], num_labels_slots))}
   shardings = sharding_lib.batch_shardings(example, mesh, config.model.max_len)
   return {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=shardings[k]) for k, v in example.items()}
 
@@ -87,10 +88,13 @@ def compile_train_step(config: ml_collections.ConfigDict, topology: str, num_sli
   tx = optimizer_lib.make_optimizer(config.train)
   abstract, shardings = state_lib.state_shardings(init, tx, mesh, LOGICAL_RULES)
   max_docs = config.data.max_docs_per_row if config.data.packing else 1
-  batch = _abstract_batch(config, mesh, max_docs)
+  # The dry run reads no data: the head's outputs are named by number.
+  objective = objectives.build(config.task, [str(i) for i in range(num_labels)],
+                               label_smoothing=config.train.label_smoothing)
+  batch = _abstract_batch(config, mesh, objective, max_docs)
 
   schedule = optimizer_lib.learning_rate_schedule(config.train)
-  step = steps_lib.make_train_step(make_logits_fn(model), tx, schedule, num_labels=num_labels,
+  step = steps_lib.make_train_step(make_logits_fn(model), tx, schedule, objective=objective,
                                    seed=config.seed, grad_accum_steps=config.train.grad_accum_steps)
   batch_shardings = {k: v.sharding for k, v in batch.items()}
   jitted = jax.jit(step, in_shardings=(shardings, batch_shardings), out_shardings=(shardings, None),

@@ -2,10 +2,12 @@
 
 One checkpoint holds everything a resumed run needs to continue as if it had
 never stopped: the train state (params, optimizer state, step), every
-process's data-iterator state, and the config (for eval.py and for humans).
+process's data-iterator state, the config (for eval.py and for humans), and the
+task objective's head (training/objectives.py: multi-label thresholds tuned on
+dev, regression target statistics), which eval.py, prediction and export use.
 
-    workdir/checkpoints/<step>/{state,data,config}   latest `max_to_keep`, for resuming
-    workdir/best/<step>/{state,data,config}          the best dev checkpoint only
+    workdir/checkpoints/<step>/{state,data,config,head}   latest `max_to_keep`, for resuming
+    workdir/best/<step>/{state,data,config,head}          the best dev checkpoint only
 
 Saves are asynchronous (training continues while the arrays are written).
 Orbax writes each step into a temporary directory and renames it when
@@ -74,7 +76,7 @@ def _manager(directory: str, **options) -> ocp.CheckpointManager:
   state_handler = ocp.PyTreeCheckpointHandler()
   registry.add("state", ocp.args.PyTreeSave, state_handler)
   registry.add("state", ocp.args.PyTreeRestore, state_handler)
-  for name in ("data", "config"):
+  for name in ("data", "config", "head"):
     handler = ocp.JsonCheckpointHandler()
     registry.add(name, ocp.args.JsonSave, handler)
     registry.add(name, ocp.args.JsonRestore, handler)
@@ -83,7 +85,7 @@ def _manager(directory: str, **options) -> ocp.CheckpointManager:
 
 
 def _lower_is_better(metric: str) -> bool:
-  return metric == "loss"
+  return metric in ("loss", "mse", "mae")
 
 
 class Checkpointer:
@@ -101,11 +103,11 @@ class Checkpointer:
 
   # -- saving -----------------------------------------------------------------
 
-  def save(self, step: int, state, data_state, config_json: str) -> None:
+  def save(self, step: int, state, data_state, config_json: str, *, head: dict | None = None) -> None:
     """Start an asynchronous save of `step` (a no-op if that step is already saved)."""
     if step in self.latest.all_steps():
       return
-    self.latest.save(step, args=_composite(state, data_state, config_json), force=True)
+    self.latest.save(step, args=_composite(state, data_state, config_json, head), force=True)
 
   def best_value(self) -> float | None:
     """The best dev metric saved so far (remembered across saves still in flight)."""
@@ -121,11 +123,12 @@ class Checkpointer:
       return True
     return value < best if _lower_is_better(self.best_metric) else value > best
 
-  def save_best(self, step: int, state, data_state, config_json: str, metrics: dict) -> bool:
+  def save_best(self, step: int, state, data_state, config_json: str, metrics: dict, *,
+                head: dict | None = None) -> bool:
     """Save `step` to workdir/best if its dev metric beats the best so far."""
     if not self.is_better(metrics[self.best_metric]) or step in self.best.all_steps():
       return False
-    self.best.save(step, args=_composite(state, data_state, config_json),
+    self.best.save(step, args=_composite(state, data_state, config_json, head),
                    metrics={k: float(v) for k, v in metrics.items() if np.isscalar(v)}, force=True)
     self._best_value = float(metrics[self.best_metric])
     return True
@@ -193,6 +196,17 @@ class Checkpointer:
     step, items = restored
     return step, json.dumps(items["config"])
 
+  def restore_head(self, which: str | int = "latest") -> dict | None:
+    """The objective's head saved with a checkpoint (None for a checkpoint written before heads were)."""
+    if which == "latest" and not self.latest.all_steps():
+      return None
+    try:
+      restored = self._restore(ocp.args.Composite(head=ocp.args.JsonRestore()), which, fallback=False,
+                               move_aside=False)
+    except Exception:  # no head item in this checkpoint
+      return None
+    return None if restored is None else restored[1]["head"]
+
   def _restore(self, args: ocp.args.Composite, which: str | int, fallback: bool, move_aside: bool = True):
     if which == "best":
       manager, candidates = self.best, [s for s in [self.best.best_step()] if s is not None]
@@ -257,11 +271,12 @@ def _gather_strings(text: str) -> list[str]:
   return [bytes(row[:n]).decode("utf-8") for row, n in zip(gathered, lengths.reshape(-1), strict=True)]
 
 
-def _composite(state, data_state, config_json: str) -> ocp.args.Composite:
+def _composite(state, data_state, config_json: str, head: dict | None = None) -> ocp.args.Composite:
   per_process = _gather_strings(json.dumps(_encode(data_state)))
   data = {"process_count": len(per_process), "processes": [json.loads(s) for s in per_process]}
   return ocp.args.Composite(state=ocp.args.PyTreeSave(state), data=ocp.args.JsonSave(data),
-                            config=ocp.args.JsonSave(json.loads(config_json)))
+                            config=ocp.args.JsonSave(json.loads(config_json)),
+                            head=ocp.args.JsonSave(head or {}))
 
 
 def _pytree_restore(abstract, *, partial: bool = False) -> ocp.args.PyTreeRestore:

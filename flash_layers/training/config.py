@@ -18,7 +18,7 @@ from flash_layers.errors import UserError
 from flash_layers.impls import IMPLS, registry
 from flash_layers.parallel.context import AUTO_STRATEGY, STRATEGIES
 from flash_layers.parallel.mesh import AXES, resolve_mesh_sizes, slice_count
-from flash_layers.training import compile_cache
+from flash_layers.training import compile_cache, objectives
 
 
 def default_config() -> ml_collections.ConfigDict:
@@ -29,6 +29,11 @@ def default_config() -> ml_collections.ConfigDict:
   # Seed for parameter init (of anything not loaded from a checkpoint), dropout
   # and data shuffling. Same seed + data + mesh -> bitwise-identical losses on CPU.
   c.seed = 0
+
+  # What the model learns (training/objectives.py): "classification" (one class per document),
+  # "multi_label_classification" (a set of classes per document, possibly empty) or "regression"
+  # (one number per document, or several: model.num_labels outputs).
+  c.task = "classification"
 
   c.model = m = ml_collections.ConfigDict()
   # Attention implementation for every layer: "auto" or one of flash_layers.IMPLS
@@ -75,12 +80,13 @@ def default_config() -> ml_collections.ConfigDict:
   m.num_heads = 4
   m.mlp_dim = 512
   m.vocab_size = placeholder(int)  # None: the tokenizer's vocabulary size.
-  # Classes of the classification head; None = from the training data's labels
-  # (the TPU dry run, which reads no data, needs it set).
+  # Outputs of the head (classes, labels, or regression targets); None = from the training
+  # data (the TPU dry run, which reads no data, needs it set).
   m.num_labels = placeholder(int)
 
   c.data = d = ml_collections.ConfigDict()
-  # "bbc_news", "listops", or a path: a JSONL/CSV/TSV file, a folder with one
+  # "bbc_news", "listops" (classification), "bbc_news_regions" (multi-label), "bbc_news_quotes"
+  # (regression: data.bbc), or a path: a JSONL/CSV/TSV file, a folder with one
   # sub-folder of .txt files per class, or a directory holding train/dev/test as
   # such files or folders (flash_layers.data.load).
   d.dataset = "bbc_news"
@@ -89,7 +95,15 @@ def default_config() -> ml_collections.ConfigDict:
   # The split eval.py scores ("test", or "dev" when there is no test split).
   d.eval_split = "test"
   d.text_field = "text"
+  # The label: a class (classification); a JSONL list of classes, or ";"-separated classes in
+  # CSV/TSV, possibly empty (multi-label); a number or a list of numbers (regression).
   d.label_field = "label"
+  # A class in dev/test never seen in training: "error" (naming the file and line), or "ignore":
+  # dropped from a multi-label set (a single-label document with one is dropped), and reported.
+  d.unseen_labels = "error"
+  # Regression: train on targets standardized by the training split's mean and std (outputs are
+  # mapped back for metrics and predictions; export folds the map into the head).
+  d.standardize_targets = False
   # Tokenizer: "minilm", "listops", a tokenizer.json or a directory holding one;
   # "" = the pretrained model's directory.
   d.tokenizer = ""
@@ -137,7 +151,7 @@ def default_config() -> ml_collections.ConfigDict:
   t.adam_b2 = 0.999
   t.adam_eps = 1e-8
   t.grad_clip_norm = 1.0  # 0 = no clipping
-  t.label_smoothing = 0.0
+  t.label_smoothing = 0.0  # classification only
   # Console progress and metrics.jsonl/TensorBoard record every log_every steps.
   t.log_every = 10
   # Dev evaluation every eval_every steps and at the end (0 = only at the end).
@@ -152,7 +166,18 @@ def default_config() -> ml_collections.ConfigDict:
   k.every_steps = 200
   k.max_to_keep = 2
   # Dev metric that selects the best checkpoint, kept apart in workdir/best.
-  k.best_metric = "accuracy"  # "accuracy", "macro_f1" or "loss" (lower is better)
+  # Dev metric that selects it: None = the task's first (objectives.BEST_METRICS): classification
+  # "accuracy" (or "macro_f1", "loss"), multi-label "micro_f1" (or "macro_f1", "samples_f1",
+  # "mean_average_precision", "loss"), regression "mse" (or "mae", "pearson", "spearman", "loss").
+  # loss, mse and mae: lower is better.
+  k.best_metric = placeholder(str)
+
+  c.eval = e = ml_collections.ConfigDict()
+  # Multi-label decision threshold on each label's probability: a number (0.5), "tune" (one
+  # threshold for all labels, the one maximizing dev micro-F1 at each dev evaluation) or
+  # "tune_per_label" (each label's own, maximizing its dev F1). A tuned threshold is saved with
+  # the checkpoint and used by eval.py, prediction and export.
+  e.threshold = ml_collections.FieldReference(0.5, field_type=object)
 
   # Device mesh axis sizes within one slice (all devices when there is one);
   # -1 = all remaining devices of the slice.
@@ -185,8 +210,10 @@ def default_config() -> ml_collections.ConfigDict:
 # Validation
 # ----------------------------------------------------------------------------
 
-BUILTIN_DATASETS = ("bbc_news", "listops")
-BEST_METRICS = ("accuracy", "macro_f1", "loss")
+# The built-in datasets and the task each one's labels are for.
+BUILTIN_TASKS = {"bbc_news": "classification", "listops": "classification",
+                 "bbc_news_regions": "multi_label_classification", "bbc_news_quotes": "regression"}
+BUILTIN_DATASETS = tuple(BUILTIN_TASKS)
 
 
 class ConfigError(UserError, ValueError):
@@ -226,6 +253,7 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
   check_data: False for the TPU dry run, which never reads data.
   """
   m = config.model
+  _validate_task(config)
   _validate_model(config)
   _validate_train(config)
   _validate_checkpoint(config)
@@ -236,6 +264,32 @@ def validate(config: ml_collections.ConfigDict, *, num_devices: int | None = Non
 
   _validate_data(config, check_data)
   _validate_mesh(config, num_devices, num_slices)
+
+
+def best_metric(config: ml_collections.ConfigDict) -> str:
+  """checkpoint.best_metric resolved: the field, else the task's default."""
+  return config.checkpoint.best_metric or objectives.BEST_METRICS[config.task][0]
+
+
+def _validate_task(config: ml_collections.ConfigDict) -> None:
+  _choice(config.task, "task", objectives.TASKS)
+  builtin_task = BUILTIN_TASKS.get(config.data.dataset)
+  if builtin_task not in (None, config.task):
+    builtins = [repr(n) for n, t in BUILTIN_TASKS.items() if t == config.task]
+    _fail("data.dataset", f"the built-in {config.data.dataset!r} is a {builtin_task!r} dataset; config.task="
+          f"{config.task!r} takes " + "".join(f"{name} or " for name in builtins)
+          + "a JSONL/CSV/TSV file or a directory of them")
+  if config.task != "classification" and config.train.label_smoothing:
+    _fail("train.label_smoothing", f"is for task 'classification' only; got {config.train.label_smoothing} "
+          f"with task {config.task!r}")
+  threshold = config.eval.threshold
+  if isinstance(threshold, str):
+    _choice(threshold, "eval.threshold", objectives.THRESHOLD_MODES)
+  elif isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < 1.0:
+    _fail("eval.threshold", f"must be a number in (0, 1), 'tune' or 'tune_per_label'; got {threshold!r}")
+  _choice(config.data.unseen_labels, "data.unseen_labels", data_lib.UNSEEN_LABELS)
+  if not isinstance(config.data.standardize_targets, bool):
+    _fail("data.standardize_targets", f"must be True or False; got {config.data.standardize_targets!r}")
 
 
 def _validate_model(config: ml_collections.ConfigDict) -> None:
@@ -291,7 +345,8 @@ def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
   k = config.checkpoint
   _positive_int(config, "checkpoint.every_steps")
   _positive_int(config, "checkpoint.max_to_keep")
-  _choice(k.best_metric, "checkpoint.best_metric", BEST_METRICS)
+  if k.best_metric is not None:
+    _choice(k.best_metric, "checkpoint.best_metric", objectives.BEST_METRICS[config.task])
   _positive_int(config, "profile_steps", allow_zero=True)
   if not isinstance(config.get("compilation_cache_dir", ""), str):
     _fail("compilation_cache_dir", f"must be a directory or '' (no cache); "

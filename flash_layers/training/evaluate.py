@@ -1,9 +1,12 @@
 """Evaluation: `evaluate` (metrics over batches, used by the loop's dev evals) and
 `evaluate_checkpoint(config, workdir, ...)` (score a saved checkpoint, optionally predict a file).
 
-Writes workdir/eval_metrics.json ({"accuracy", "macro_f1", "loss", "confusion_matrix",
-"labels", "split", "checkpoint_step", ...}) and, with `predict`, one JSON line per
-input document: {"index", "prediction", "probabilities", ...the input's other fields}.
+Writes workdir/eval_metrics.json (the task's metrics: "accuracy", "macro_f1", "loss" and the
+"confusion_matrix" for classification, "micro_f1", ... for the other tasks (training/objectives.py);
+"labels", "split", "checkpoint_step", ...) and, with `predict`, one JSON line per input document:
+{"index", ...the task's prediction fields..., ...the input's other fields}: "prediction" and
+"probabilities" (classification), "labels" and "scores" (multi-label), "value" or "values"
+(regression).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
 from flash_layers.training import task as task_lib
 from flash_layers.training.distributed import log_job_info, setup_logging
+from flash_layers.training.objectives import Objective
 
 log = logging.getLogger("flash_layers.training")
 
@@ -40,15 +44,17 @@ def _global(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh: Mesh, *, num_labels: int,
-             aggregation: str = "mean", keep_probabilities: bool = False) -> dict:
-  """Loss, accuracy, macro-F1 and the confusion matrix over the documents of `num_batches` batches.
+def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh: Mesh, *,
+             objective: Objective, aggregation: str = "mean", keep_logits: bool = False,
+             tune: bool = False) -> dict:
+  """The objective's loss and metrics over the documents of `num_batches` batches.
 
   Slots (a document or one of its windows) are combined per document by their `doc_ids`
   (data.eval_plan): one prediction per document, from the "mean" or "max" of its window logits.
   A batch without doc_ids counts each labelled slot as its own document. Every process runs the
   same number of steps (collectives): a process whose batches are used up feeds copies of its
-  last batch with no documents in it.
+  last batch with no documents in it. With `tune` the objective's head is first tuned on these
+  documents (`Objective.tune`); the result's "objective" is the one that scored them.
   """
   slot_logits, slot_docs, slot_labels = [], [], []
   shardings: dict = {}
@@ -57,60 +63,56 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh:
     batch = next(batches, None)
     if batch is None:
       batch = dict(last)
-      batch["labels"] = np.full_like(np.asarray(last["labels"]), -1)
-      batch["doc_ids"] = np.full_like(np.asarray(last["labels"]), -1)
+      slots = np.shape(last["labels"])[:2]
+      batch["labels"] = objective.label_spec.empty(*slots)
+      batch["doc_ids"] = np.full(slots, -1, np.int32)
     last = batch
     device_batch = {k: v for k, v in batch.items() if k != "doc_ids"}
     shape = tuple(np.shape(device_batch["input_ids"]))
     if shape not in shardings:  # one per bucket length; the length axis goes over `sequence`
       shardings[shape] = sharding_lib.batch_shardings(device_batch, mesh, shape[1])
     out = eval_step(params, sharding_lib.to_global(device_batch, shardings[shape]))
-    labels = _global(np.asarray(batch["labels"]))
+    label_shape = objective.label_spec.shape
+    labels = _global(np.asarray(batch["labels"])).reshape(-1, *label_shape)
     if "doc_ids" in batch:
-      docs = _global(np.asarray(batch["doc_ids"]))
+      docs = _global(np.asarray(batch["doc_ids"])).reshape(-1)
     else:
-      docs = np.full(labels.shape, -1, np.int64)
-      docs[labels >= 0] = next_doc + np.arange(int(np.sum(labels >= 0)))
-      next_doc += int(np.sum(labels >= 0))
-    slot_logits.append(_global(out["logits"]).reshape(-1, num_labels))
-    slot_docs.append(docs.reshape(-1))
-    slot_labels.append(labels.reshape(-1))
-  logits = np.concatenate(slot_logits) if slot_logits else np.zeros((0, num_labels))
+      present = objective.present(labels)
+      docs = np.full(len(labels), -1, np.int64)
+      docs[present] = next_doc + np.arange(int(np.sum(present)))
+      next_doc += int(np.sum(present))
+    slot_logits.append(_global(out["logits"]).reshape(-1, objective.num_outputs))
+    slot_docs.append(docs)
+    slot_labels.append(labels)
+  num_outputs = objective.num_outputs
+  logits = np.concatenate(slot_logits) if slot_logits else np.zeros((0, num_outputs))
   docs = np.concatenate(slot_docs) if slot_docs else np.zeros((0,), np.int64)
-  labels = np.concatenate(slot_labels) if slot_labels else np.zeros((0,), np.int64)
+  labels = (np.concatenate(slot_labels) if slot_labels
+            else objective.label_spec.empty(0))
   num_docs = int(docs.max()) + 1 if docs.size else 0
   doc_logits, seen = eval_plan.aggregate_logits(logits, docs, num_docs, aggregation)
-  doc_labels = np.full(num_docs, -1, np.int64)
+  doc_labels = objective.label_spec.empty(num_docs)
   doc_labels[docs[docs >= 0]] = labels[docs >= 0]
-  scored = seen & (doc_labels >= 0)
-  log_probs = _log_softmax(doc_logits[scored])
-  truth = doc_labels[scored]
-  predicted = np.argmax(log_probs, axis=-1)
-  confusion = np.zeros((num_labels, num_labels), np.int64)
-  np.add.at(confusion, (truth, predicted), 1)
-  count = int(scored.sum())
-  loss = float(-log_probs[np.arange(count), truth].sum() / max(count, 1))
-  result = {"loss": loss, "count": count, "num_windows": int(np.sum(docs >= 0)),
-            **metrics_lib.summarize(confusion), "confusion_matrix": confusion}
-  if keep_probabilities:
+  scored = seen & objective.present(doc_labels)
+  if tune:
+    objective = objective.tune(doc_logits[scored], doc_labels[scored])
+  result = {**objective.score(doc_logits[scored], doc_labels[scored]), "count": int(scored.sum()),
+            "num_windows": int(np.sum(docs >= 0)), "objective": objective}
+  if keep_logits:
     result["doc_ids"] = np.flatnonzero(seen)
-    result["probabilities"] = np.exp(_log_softmax(doc_logits[seen]))
-    result["labels"] = doc_labels[seen]
+    result["logits"] = doc_logits[seen]
   return result
 
 
-def _log_softmax(logits: np.ndarray) -> np.ndarray:
-  shifted = logits - logits.max(axis=-1, keepdims=True) if logits.size else logits
-  return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
-
-
 def restore_params(config, workdir: str, task: task_lib.Task, mesh, which: str | int):
-  """(step, params) of a checkpoint, sharded on `mesh`; the optimizer state is not read."""
+  """(step, params, objective) of a checkpoint: params sharded on `mesh` (the optimizer state is not
+  read), and the task's objective with the head saved with them (thresholds, target statistics)."""
   abstract, _ = state_lib.params_shardings(task.init_params, mesh, LOGICAL_RULES)
   checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
-                                            best_metric=config.checkpoint.best_metric)
+                                            best_metric=config_lib.best_metric(config))
   try:
     restored = checkpoints.restore_params(abstract, which=which)
+    head = checkpoints.restore_head(restored[0]) if restored is not None else None
   finally:
     checkpoints.close()
   if restored is None:
@@ -118,7 +120,7 @@ def restore_params(config, workdir: str, task: task_lib.Task, mesh, which: str |
                                            "run train.py with this --workdir first")
   step, params, saved_config = restored
   _warn_on_config_drift(config, json.loads(saved_config))
-  return step, params
+  return step, params, task.objective.with_head(head)
 
 
 def _warn_on_config_drift(config, saved: dict):
@@ -126,6 +128,10 @@ def _warn_on_config_drift(config, saved: dict):
     if saved.get("model", {}).get(field) != config.model.get(field):
       log.warning("config.model.%s is %r here but %r in the checkpoint's config", field,
                   config.model.get(field), saved.get("model", {}).get(field))
+  if saved.get("task", "classification") != config.get("task", "classification"):
+    raise UserError(f"config.task is {config.task!r} but the checkpoint was trained for "
+                    f"{saved.get('task', 'classification')!r}; evaluate it with --config.task="
+                    f"{saved.get('task', 'classification')}")
 
 
 def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, checkpoint: str = "latest",
@@ -143,53 +149,57 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
   mesh = sharding_lib.mesh_from_config(config)
   if task is None:
     task = task_lib.build_task(config, mesh, with_train_data=False)
-  step, params = restore_params(config, workdir, task, mesh, which)
+  step, params, objective = restore_params(config, workdir, task, mesh, which)
   with sharding_lib.sharding_context(mesh):
-    return _evaluate(config, workdir, mesh, task, checkpoint, step, params, documents, predictions_path)
+    return _evaluate(config, workdir, mesh, task, objective, checkpoint, step, params, documents,
+                     predictions_path)
 
 
-def _evaluate(config, workdir, mesh, task, checkpoint, step, params, documents, predictions_path) -> dict:
+def _evaluate(config, workdir, mesh, task, objective, checkpoint, step, params, documents,
+              predictions_path) -> dict:
   log.info("evaluating checkpoint step %d (%s) on %s", step, checkpoint, config.data.eval_split)
   eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
   batches, count = task.eval_batches(config.data.eval_split)
-  result = evaluate(eval_step, params, batches, count, mesh, num_labels=task.num_labels,
+  result = evaluate(eval_step, params, batches, count, mesh, objective=objective,
                     aggregation=config.data.window_aggregation)
+  metrics = {k: v for k, v in result.items() if np.isscalar(v) and k not in ("count", "num_windows")}
   report = {
     "split": config.data.eval_split, "checkpoint": checkpoint, "checkpoint_step": step,
-    "accuracy": result["accuracy"], "macro_f1": result["macro_f1"], "loss": result["loss"],
-    "num_examples": result["count"], "num_windows": result["num_windows"], "labels": task.label_names,
-    "confusion_matrix": np.asarray(result["confusion_matrix"]).tolist(),
-    "confusion_matrix_axes": "[true label, predicted label]",
+    "task": objective.task, **metrics, "num_examples": result["count"], "num_windows": result["num_windows"],
+    "labels": task.label_names, **{k: v for k, v in objective.head().items()},
   }
+  if "confusion_matrix" in result:
+    report["confusion_matrix"] = np.asarray(result["confusion_matrix"]).tolist()
+    report["confusion_matrix_axes"] = "[true label, predicted label]"
   if jax.process_index() == 0:
     with open(os.path.join(workdir, "eval_metrics.json"), "w", encoding="utf-8") as f:
       json.dump(report, f, indent=1)
+    shown = ("loss", *metrics, "num_examples")
     log.info("%s @ step %d\n%s", config.data.eval_split, step, metrics_lib.summary_table(
-      {config.data.eval_split: {k: report[k] for k in ("loss", "accuracy", "macro_f1", "num_examples")}}))
+      {config.data.eval_split: {k: report[k] for k in shown if k in report}}))
   if documents is not None:
     predictions_path = predictions_path or os.path.join(workdir, "predictions.jsonl")
-    predict_documents(config, task, params, eval_step, mesh, documents, predictions_path)
+    predict_documents(config, task, objective, params, eval_step, mesh, documents, predictions_path)
     report["predictions"] = predictions_path
   return report
 
 
-def predict_documents(config, task: task_lib.Task, params, eval_step, mesh, rows: list[dict],
-                      out_path: str) -> None:
+def predict_documents(config, task: task_lib.Task, objective: Objective, params, eval_step, mesh,
+                      rows: list[dict], out_path: str) -> None:
   """One prediction per document (`data.read_documents` rows), as JSONL, batched as evaluation is
-  (data.eval_plan); with data.long_documents="windows" a long document's window logits are combined."""
+  (data.eval_plan); with data.long_documents="windows" a long document's window logits are combined.
+  The fields are the objective's (`Objective.predict`), at the checkpoint's thresholds."""
   batches = task.predict_batches([r[config.data.text_field] for r in rows])
-  result = evaluate(eval_step, params, iter(batches), len(batches), mesh, num_labels=task.num_labels,
-                    aggregation=config.data.window_aggregation, keep_probabilities=True)
+  result = evaluate(eval_step, params, iter(batches), len(batches), mesh, objective=objective,
+                    aggregation=config.data.window_aggregation, keep_logits=True)
   if sorted(result["doc_ids"].tolist()) != list(range(len(rows))):
     raise AssertionError(f"predicted {len(result['doc_ids'])} of {len(rows)} documents")
-  probabilities = result["probabilities"][np.argsort(result["doc_ids"])]
+  predictions = objective.predict(result["logits"][np.argsort(result["doc_ids"])])
   if jax.process_index() != 0:
     return
   with open(out_path, "w", encoding="utf-8") as f:
-    for index, (row, probs) in enumerate(zip(rows, probabilities, strict=True)):
+    for index, (row, predicted) in enumerate(zip(rows, predictions, strict=True)):
       record = {k: v for k, v in row.items() if k != config.data.text_field}
-      record.update(index=index, prediction=task.label_names[int(np.argmax(probs))],
-                    probabilities={str(name): round(float(p), 6)
-                                   for name, p in zip(task.label_names, probs, strict=True)})
+      record.update(index=index, **predicted)
       f.write(json.dumps(record) + "\n")
   log.info("wrote %d predictions to %s", len(rows), out_path)

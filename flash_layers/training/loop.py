@@ -107,12 +107,16 @@ class Trainer:
     self.tx = optimizer_lib.make_optimizer(train)
     self.schedule = optimizer_lib.learning_rate_schedule(train)
     self.abstract, self.shardings = state_lib.state_shardings(task.init_params, self.tx, mesh, LOGICAL_RULES)
+    self.best_metric = config_lib.best_metric(config)
     self.checkpoints = checkpoint_lib.Checkpointer(workdir, max_to_keep=config.checkpoint.max_to_keep,
-                                                   best_metric=config.checkpoint.best_metric)
+                                                   best_metric=self.best_metric)
     self.config_json = config.to_json_best_effort()
+    # The task's objective; its head (multi-label thresholds tuned on dev) changes at dev evaluations
+    # and is saved with every checkpoint.
+    self.objective = task.objective
     train_step = steps_lib.make_train_step(
-      task.logits_fn, self.tx, self.schedule, num_labels=task.num_labels, seed=config.seed,
-      grad_accum_steps=train.grad_accum_steps, label_smoothing=train.label_smoothing)
+      task.logits_fn, self.tx, self.schedule, objective=task.objective, seed=config.seed,
+      grad_accum_steps=train.grad_accum_steps)
     self.train_step = jax.jit(train_step, out_shardings=(self.shardings, None), donate_argnums=0)
     self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
     self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
@@ -140,6 +144,7 @@ class Trainer:
       step, state, data_state, _ = restored
       if data_state is not None:
         self.task.train_batches.set_state(data_state)
+      self.objective = self.objective.with_head(self.checkpoints.restore_head(step))
       log.info("resumed from checkpoint step %d in %s", step, self.workdir)
       return state
     if self.task.pretrained_params is not None:
@@ -149,14 +154,15 @@ class Trainer:
     return state_lib.create_state(self.task.init_params, self.tx, self.shardings, self.task.pretrained_params)
 
   def _save(self, state, step: int):
-    self.checkpoints.save(step, state, self.task.train_batches.get_state(), self.config_json)
+    self.checkpoints.save(step, state, self.task.train_batches.get_state(), self.config_json,
+                          head=self.objective.head())
 
   # -- the loop ---------------------------------------------------------------
 
   def run(self) -> dict:
     if jax.process_index() == 0:  # label id -> name, for reading predictions and confusion matrices
       with open(os.path.join(self.workdir, "labels.json"), "w", encoding="utf-8") as f:
-        json.dump({"labels": list(self.task.label_names)}, f, indent=1)
+        json.dump({"task": self.objective.task, "labels": list(self.task.label_names)}, f, indent=1)
     state = self._initial_state()
     with sharding_lib.sharding_context(self.mesh):
       return self._train(state)
@@ -243,12 +249,13 @@ class Trainer:
           f"config.train.learning_rate or config.train.grad_clip_norm")
     for offset, values in enumerate(fetched):
       writer.write(first + offset, "train", {"loss": float(values["loss"])})
-    confusion = sum(np.asarray(v["confusion"], np.int64) for v in fetched)
+    stats = jax.tree.map(lambda *xs: np.sum([np.asarray(x, np.float64) for x in xs], axis=0),
+                         *[v["stats"] for v in fetched])
     tokens = sum(int(v["tokens"]) for v in fetched)
     last = fetched[-1]
     summary = {
       "loss": float(np.mean([float(v["loss"]) for v in fetched])),
-      **metrics_lib.summarize(confusion),
+      **self.objective.window_summary(stats),
       "learning_rate": float(last["learning_rate"]),
       "grad_norm": float(last["grad_norm"]),
       "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
@@ -258,32 +265,34 @@ class Trainer:
       # XLA's cost analysis of the partitioned program counts one device's FLOPs.
       summary["mfu_estimate"] = flops_per_step * len(fetched) / seconds / self.peak_flops if seconds else 0.0
     writer.write(done, "train_window", summary)
-    progress.update(done, {k: summary[k] for k in ("loss", "accuracy", "learning_rate", "tokens_per_s")})
+    shown = ("loss", self.objective.headline[0], "learning_rate", "tokens_per_s")
+    progress.update(done, {k: summary[k] for k in shown if k in summary})
 
   def _dev_eval(self, state, step, writer) -> dict:
     batches, count = self.task.eval_batches("dev", self.config.train.eval_max_batches)
     result = evaluate_lib.evaluate(self.eval_step, state.params, batches, count, self.mesh,
-                                   num_labels=self.task.num_labels,
-                                   aggregation=self.config.data.window_aggregation)
-    values = {k: v for k, v in result.items() if k != "confusion_matrix"}
+                                   objective=self.objective, aggregation=self.config.data.window_aggregation,
+                                   tune=True)
+    self.objective = result.pop("objective")  # with its head tuned on this dev evaluation, if asked
+    values = {k: v for k, v in result.items() if np.isscalar(v)}
     writer.write(step, "dev", values)
-    log.info("dev @ %d: loss %.4f  accuracy %.4f  macro_f1 %.4f", step, values["loss"], values["accuracy"],
-             values["macro_f1"])
-    if math.isfinite(values[self.config.checkpoint.best_metric]):
+    shown = ("loss", *self.objective.headline)
+    log.info("dev @ %d: %s", step, "  ".join(f"{k} {values[k]:.4f}" for k in shown))
+    if math.isfinite(values[self.best_metric]):
       saved = self.checkpoints.save_best(step, state, self.task.train_batches.get_state(), self.config_json,
-                                         values)
+                                         values, head=self.objective.head())
       if saved:
-        log.info("new best dev %s %.4f at step %d", self.config.checkpoint.best_metric,
-                 values[self.config.checkpoint.best_metric], step)
+        log.info("new best dev %s %.4f at step %d", self.best_metric, values[self.best_metric], step)
     return values
 
   def _summary(self, result):
     if jax.process_index() != 0:
       return
-    rows = {"dev (final)": {k: result["dev"].get(k) for k in ("loss", "accuracy", "macro_f1", "count")}}
+    shown = ("loss", *self.objective.headline)
+    rows = {"dev (final)": {k: result["dev"].get(k) for k in (*shown, "count")}}
     try:
       last_train = [r for r in metrics_lib.read_metrics(self.workdir, "train_window")][-1]
-      rows = {"train (last window)": {k: last_train.get(k) for k in ("loss", "accuracy", "macro_f1")}, **rows}
+      rows = {"train (last window)": {k: last_train.get(k) for k in shown if k in last_train}, **rows}
     except (OSError, IndexError):
       pass
     best = self.checkpoints.steps("best")

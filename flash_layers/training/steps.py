@@ -1,11 +1,11 @@
 """The jitted train and eval steps: loss, gradient accumulation, metrics on device.
 
 A batch holds int32 "input_ids", "segment_ids" (0 = padding), "positions" and
-"labels". Labels are per row ([batch]) or, when several documents are packed
-into a row, per document slot ([batch, docs]); a label < 0 marks a padding row
-or an empty slot, which the loss and the metrics skip. The loss is the mean
-over real documents of the whole global batch, so every document counts once
-however the batch is split into micro-batches or shards.
+"labels", one slot per document of a row ([batch, docs, ...]: the task's
+objectives.Objective says what a slot holds and which slots are empty; empty
+slots are skipped by the loss and the metrics). The loss is the mean over real
+documents of the whole global batch, so every document counts once however the
+batch is split into micro-batches or shards.
 """
 
 from __future__ import annotations
@@ -16,27 +16,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flash_layers.training import metrics as metrics_lib
+from flash_layers.training.objectives import Objective
 from flash_layers.training.state import TrainState
 
-# logits_fn(params, batch, *, train, rng) -> float logits [*labels.shape, num_labels]
+# logits_fn(params, batch, *, train, rng) -> float logits [batch, docs, num_outputs]
 LogitsFn = Callable[..., jax.Array]
 
 
-def _loss_sums(logits, labels, segment_ids, num_labels: int, label_smoothing: float):
+def _loss_sums(objective: Objective, logits, batch):
   """Sums over the batch (not means), so micro-batches and shards add up exactly."""
-  weights = (labels >= 0).astype(jnp.float32)
-  safe = jnp.maximum(labels, 0)
-  targets = optax.smooth_labels(jax.nn.one_hot(safe, num_labels), label_smoothing) if label_smoothing \
-      else jax.nn.one_hot(safe, num_labels)
-  losses = optax.softmax_cross_entropy(logits.astype(jnp.float32), targets)
-  predictions = jnp.argmax(logits, axis=-1)
-  return {
-    "loss_sum": jnp.sum(losses * weights),
-    "count": jnp.sum(weights),
-    "tokens": jnp.sum(segment_ids > 0),  # real (non-padding) tokens, for throughput
-    "confusion": metrics_lib.confusion_matrix(predictions, labels, weights, num_labels),
-  }
+  sums = objective.loss_sums(logits, batch["labels"])
+  return {**sums, "tokens": jnp.sum(batch["segment_ids"] > 0)}  # real (non-padding) tokens, for throughput
 
 
 def _split_micro(batch: dict, accum: int) -> dict:
@@ -49,12 +39,12 @@ def _split_micro(batch: dict, accum: int) -> dict:
 
 
 def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, schedule: optax.Schedule, *,
-                    num_labels: int, seed: int, grad_accum_steps: int = 1, label_smoothing: float = 0.0):
+                    objective: Objective, seed: int, grad_accum_steps: int = 1):
   base_key = jax.random.key(seed)
 
   def micro_loss(params, batch, rng):
     logits = logits_fn(params, batch, train=True, rng=rng)
-    sums = _loss_sums(logits, batch["labels"], batch["segment_ids"], num_labels, label_smoothing)
+    sums = _loss_sums(objective, logits, batch)
     return sums["loss_sum"], sums
 
   grad_fn = jax.grad(micro_loss, has_aux=True)
@@ -84,7 +74,7 @@ def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, sched
     params = optax.apply_updates(state.params, updates)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     out = {"loss": sums["loss_sum"] / count, "count": sums["count"], "tokens": sums["tokens"],
-           "confusion": sums["confusion"], "grad_norm": optax.global_norm(grads),
+           "stats": sums["stats"], "grad_norm": optax.global_norm(grads),
            "learning_rate": schedule(state.step)}
     return new_state, out
 
@@ -92,7 +82,7 @@ def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, sched
 
 
 def make_eval_step(logits_fn: LogitsFn):
-  """(params, batch) -> {"logits": [*labels.shape, num_labels] float32}. Metrics are computed on
+  """(params, batch) -> {"logits": [batch, docs, num_outputs] float32}. Metrics are computed on
   the host (training.evaluate), after a document's windows are combined."""
   def eval_step(params, batch: dict):
     return {"logits": logits_fn(params, batch, train=False, rng=None).astype(jnp.float32)}

@@ -23,6 +23,7 @@ from flash_layers import models
 from flash_layers.data import eval_plan, readers
 from flash_layers.parallel.mesh import BATCH_AXES
 from flash_layers.training import config as config_lib
+from flash_layers.training import objectives
 from flash_layers.training import steps as steps_lib
 from flash_layers.training.config import ConfigError
 
@@ -42,6 +43,13 @@ class Task:
   predict_batches: Callable[[list[str]], list[dict]]  # texts -> this process's batches (labels -1)
   seq_len: int
   model: Any = None  # the flax module logits_fn applies (flash_layers.export writes it out)
+  # What the task predicts and how it is scored (training/objectives.py); its head is the one built
+  # from the config and the training data: a checkpoint's saved head replaces it (Objective.with_head).
+  objective: objectives.Objective | None = None
+
+  def __post_init__(self):
+    if self.objective is None:  # a Task built by hand: single-label classification over its labels
+      self.objective = objectives.build("classification", self.label_names)
 
   @property
   def num_labels(self) -> int:
@@ -73,8 +81,11 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Record
   if d.dataset == "listops":
     options = {} if d.num_examples is None else {"num_examples": d.num_examples}
     return data_lib.load("listops", split=split, **options)
+  if d.dataset in data_lib.bbc.DERIVED:
+    return data_lib.load(d.dataset, split=split)
   root = pathlib.Path(d.dataset)
-  columns = {"text_column": d.text_field, "label_column": d.label_field}
+  columns = {"text_column": d.text_field, "label_column": d.label_field,
+             "label_kind": objectives.LABEL_KINDS[config.task], "unseen_labels": d.unseen_labels}
   if split == "test" or _has_split(root, "dev"):
     if split != "train" and not _has_split(root, split):
       raise data_lib.DataError(f"config.data.dataset {str(root)!r} has no {split!r} split (expected "
@@ -85,7 +96,8 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Record
   order = np.random.default_rng(DEV_CARVE_SEED).permutation(len(train))
   num_dev = max(1, int(round(len(train) * d.dev_fraction)))
   chosen = sorted(order[:num_dev]) if split == "dev" else sorted(order[num_dev:])
-  return data_lib.Records([train[i] for i in chosen], vocab=train.vocab, source=train.source, split=split)
+  return data_lib.Records([train[i] for i in chosen], vocab=train.vocab, source=train.source, split=split,
+                          label_kind=train.label_kind)
 
 
 def tokenizer_path(config: ml_collections.ConfigDict) -> str:
@@ -120,7 +132,8 @@ def eval_granule(mesh: Mesh | None) -> int:
   return 128 * (mesh.shape.get("sequence", 1) if mesh is not None else 1)
 
 
-def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None) -> list[dict]:
+def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None,
+                         label_spec: data_lib.LabelSpec = readers.SINGLE) -> list[dict]:
   """This process's rows of the evaluation/prediction batches: every document once, packed and
   bucketed by length (data.eval_plan), or one per max_len row with data.eval_packing=False."""
   d = config.data
@@ -138,7 +151,7 @@ def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None) ->
                                 max_docs_per_row=d.max_docs_per_row, pack=d.eval_packing, buckets=buckets,
                                 row_tokens=eval_plan.ROW_TOKENS if d.eval_packing else None,
                                 row_multiple=batch_shards, process_index=jax.process_index(),
-                                process_count=jax.process_count())
+                                process_count=jax.process_count(), label_spec=label_spec)
 
 
 def sample_documents(records, max_batches: int | None, global_batch: int) -> list[int]:
@@ -193,13 +206,34 @@ def make_logits_fn(model: models.Bert):
   return logits_fn
 
 
+def build_objective(config: ml_collections.ConfigDict,
+                    train_records: data_lib.Records) -> objectives.Objective:
+  """The task's objective over the training data's labels (or regression targets)."""
+  names = list(train_records.vocab.names)
+  targets = None
+  if config.task == "regression":
+    targets = np.asarray([r["label"] for r in train_records], np.float64).reshape(len(train_records), -1)
+  return objectives.build(config.task, names, label_smoothing=config.train.label_smoothing,
+                          threshold=config.eval.threshold, train_targets=targets,
+                          standardize=config.data.standardize_targets)
+
+
+def _report_unseen(records: data_lib.Records) -> None:
+  if records.unseen:
+    shown = ", ".join(f"{label!r} ({n})" for label, n in sorted(records.unseen.items(), key=str)[:10])
+    log.warning("%s: %d label(s) never seen in training were ignored (data.unseen_labels='ignore'): %s",
+                records.source, len(records.unseen), shown)
+
+
 def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_train_data: bool = True) -> Task:
   train_records = load_split(config, "train")
   tokenizer = make_tokenizer(config)
   label_names = list(train_records.vocab.names)
   if config.model.num_labels and config.model.num_labels != len(label_names):
+    what = "regression targets" if config.task == "regression" else "labels"
     raise ConfigError(f"config.model.num_labels={config.model.num_labels} but the training data has "
-                      f"{len(label_names)} labels {label_names[:10]}; leave it unset to take the data's")
+                      f"{len(label_names)} {what} {label_names[:10]}; leave it unset to take the data's")
+  objective = build_objective(config, train_records)
   model, pretrained = build_model(config, len(label_names), tokenizer.vocab_size)
   seq_len = config.model.max_len
 
@@ -219,19 +253,24 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   records = {"train": train_records}
   first_eval = "dev" if with_train_data else config.data.eval_split
   records[first_eval] = load_split(config, first_eval)
+  _report_unseen(records[first_eval])
 
   def eval_batches(split: str, max_batches: int | None = None):
-    split_records = records[split] if split in records else load_split(config, split)
+    if split not in records:
+      records[split] = load_split(config, split)
+      _report_unseen(records[split])
+    split_records = records[split]
     chosen = sample_documents(split_records, max_batches, eval_batch_size(config))
     batches = planned_eval_batches(config, [split_records[i]["text"] for i in chosen],
-                                   [split_records[i]["label"] for i in chosen], tokenizer, mesh)
+                                   [split_records[i]["label"] for i in chosen], tokenizer, mesh,
+                                   objective.label_spec)
     return iter(batches), len(batches)
 
   def predict_batches(texts: list[str]) -> list[dict]:
-    return planned_eval_batches(config, texts, None, tokenizer, mesh)
+    return planned_eval_batches(config, texts, None, tokenizer, mesh, objective.label_spec)
 
   return Task(logits_fn=make_logits_fn(model), init_params=init_params, pretrained_params=pretrained,
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
               predict_batches=predict_batches,
-              seq_len=seq_len, model=model)
+              seq_len=seq_len, model=model, objective=objective)
 

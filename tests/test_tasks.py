@@ -1,0 +1,430 @@
+"""The document tasks beyond single-label classification: multi-label and regression, from the files
+on disk to the batches, the loss, the metrics, eval.py's predictions and the export.
+
+References are independent of the code under test: NumPy re-derivations of each loss, metrics
+recomputed from the written predictions with the hand-checked functions of training/task_metrics.py
+(tests/test_task_metrics.py), the data files written here, and the exported model read back by our
+own importer. transformers itself reads the exports in benchmarks/hf_export_check.py (outside the
+project). The command-line runs of configs/multi_label.py and configs/regression.py are second tier.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import random
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_training import FILLER, TOPICS, _env
+
+from flash_layers import data as data_lib
+from flash_layers import export, models
+from flash_layers.data import bbc
+from flash_layers.training import config as config_lib
+from flash_layers.training import evaluate as evaluate_lib
+from flash_layers.training import loop, objectives, task_metrics
+from flash_layers.training import metrics as metrics_lib
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+NAMES = sorted(TOPICS)  # food, sport, tech
+
+
+# ----------------------------------------------------------------------------
+# Data: labels as files hold them
+# ----------------------------------------------------------------------------
+
+def _lines(path: pathlib.Path, rows: list[dict]) -> pathlib.Path:
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return path
+
+
+def test_multi_label_sets_from_jsonl_lists_and_csv_cells(tmp_path):
+  _lines(tmp_path / "train.jsonl", [{"text": "a", "label": ["tech", "sport"]}, {"text": "b", "label": []},
+                                    {"text": "c", "label": ["food"]},
+                                    {"text": "d", "label": ["sport", "sport"]}])
+  train = data_lib.load(tmp_path, label_kind="multi")
+  assert train.vocab.names == ("food", "sport", "tech")
+  assert [r["label"] for r in train] == [(1, 2), (), (0,), (1,)]
+  (tmp_path / "dev.csv").write_text('text,label\nx,"tech; food"\ny,\nz,sport\n')
+  dev = data_lib.load(tmp_path, split="dev", label_kind="multi")
+  assert [r["label"] for r in dev] == [(0, 2), (), (1,)]
+  (tmp_path / "test.tsv").write_text("text\tlabel\nx\tsport;tech\n")
+  assert [r["label"] for r in data_lib.load(tmp_path, split="test", label_kind="multi")] == [(1, 2)]
+  spec = train.label_spec
+  assert (spec.kind, spec.size, spec.shape) == ("multi", 3, (3,))
+  np.testing.assert_array_equal(spec.encode((1, 2)), [0, 1, 1])
+  np.testing.assert_array_equal(spec.encode(()), [0, 0, 0])  # a document with no label is a label
+  np.testing.assert_array_equal(spec.empty(2), [[-1] * 3] * 2)  # no document
+
+
+def test_unseen_labels_are_an_error_or_ignored_and_counted(tmp_path):
+  _lines(tmp_path / "train.jsonl", [{"text": "a", "label": ["x"]}, {"text": "b", "label": ["y"]}])
+  _lines(tmp_path / "dev.jsonl", [{"text": "c", "label": ["x", "new"]},
+                                  {"text": "d", "label": ["new", "newer"]}])
+  with pytest.raises(data_lib.DataError, match=r"dev.jsonl:1: field 'label': label 'new' was not seen"):
+    data_lib.load(tmp_path, split="dev", label_kind="multi")
+  dev = data_lib.load(tmp_path, split="dev", label_kind="multi", unseen_labels="ignore")
+  assert [r["label"] for r in dev] == [(0,), ()] and dev.unseen == {"new": 2, "newer": 1}
+  # Single-label: a document whose class is unseen cannot be scored; "ignore" drops it, counted.
+  _lines(tmp_path / "train.jsonl", [{"text": "a", "label": "x"}, {"text": "b", "label": "y"}])
+  _lines(tmp_path / "dev.jsonl", [{"text": "c", "label": "x"}, {"text": "d", "label": "new"}])
+  dev = data_lib.load(tmp_path, split="dev", unseen_labels="ignore")
+  assert [r["label"] for r in dev] == [0] and dev.unseen == {"new": 1}
+
+
+def test_regression_targets_from_numbers_lists_and_cells(tmp_path):
+  _lines(tmp_path / "a.jsonl", [{"text": "a", "label": 2}, {"text": "b", "label": -0.5}])
+  records = data_lib.load(tmp_path / "a.jsonl", label_kind="values")
+  assert [r["label"] for r in records] == [(2.0,), (-0.5,)] and records.vocab.names == ("label",)
+  _lines(tmp_path / "b.jsonl", [{"text": "a", "y": [1, 2.5]}, {"text": "b", "y": [0, 0]}])
+  records = data_lib.load(tmp_path / "b.jsonl", label_kind="values", label_column="y")
+  assert records.vocab.names == ("y[0]", "y[1]") and records[0]["label"] == (1.0, 2.5)
+  np.testing.assert_array_equal(records.label_spec.empty(1), [[np.nan, np.nan]])
+  (tmp_path / "c.csv").write_text("text,label\nx,0.25\ny,1e-3\n")
+  assert [r["label"] for r in data_lib.load(tmp_path / "c.csv", label_kind="values")] == [(0.25,), (0.001,)]
+
+
+@pytest.mark.parametrize("name,content,kind,match", [
+  ("r.jsonl", '{"text": "a", "label": 1}\n{"text": "b", "label": "4.5"}\n', "values",
+   r"r.jsonl:2: field 'label' must be a number or a non-empty list of numbers for regression; got str '4.5'"),
+  ("r.jsonl", '{"text": "a", "label": true}\n', "values", r"r.jsonl:1: field 'label' must be a number"),
+  ("r.jsonl", '{"text": "a", "label": [1, 2]}\n{"text": "b", "label": [1]}\n', "values",
+   r"r.jsonl:2: field 'label' has 1 values; the documents before it have 2"),
+  ("r.jsonl", '{"text": "a", "label": NaN}\n', "values", r"r.jsonl:1: field 'label': regression targets must "
+   "be finite"),
+  ("r.csv", "text,label\na,1\nb,high\n", "values", r"r.csv:3: field 'label' must hold a number"),
+  ("m.jsonl", '{"text": "a", "label": "x"}\n', "multi", r"m.jsonl:1: field 'label' must be a list of labels"),
+  ("m.jsonl", '{"text": "a", "label": [["x"]]}\n', "multi", r"m.jsonl:1: field 'label': a label must be a "
+   "string or an integer; got list"),
+])
+def test_unreadable_labels_name_the_document_and_the_field(tmp_path, name, content, kind, match):
+  (tmp_path / name).write_text(content)
+  with pytest.raises(data_lib.DataError, match=match):
+    data_lib.load(tmp_path / name, label_kind=kind)
+
+
+def test_a_class_folder_tree_has_one_label_per_document(tmp_path):
+  (tmp_path / "x").mkdir()
+  (tmp_path / "x" / "1.txt").write_text("words")
+  with pytest.raises(data_lib.DataError, match="one label per document; 'multi' labels need a JSONL"):
+    data_lib.load(tmp_path, label_kind="multi")
+
+
+def test_batches_hold_multi_hot_and_target_slots():
+  tok = data_lib.TextTokenizer("listops", max_len=16)
+  multi = data_lib.Records([{"text": "1 2", "label": (0, 2)}, {"text": "3", "label": ()},
+                            {"text": "4 5 6", "label": (1,)}],
+                           vocab=data_lib.LabelVocab(NAMES), source="t", split="train", label_kind="multi")
+  batch = next(data_lib.make_batches(multi, tok, batch_size=2, pack=True, max_docs_per_row=2, shuffle=False))
+  np.testing.assert_array_equal(batch["labels"], [[[1, 0, 1], [0, 0, 0]], [[0, 1, 0], [-1, -1, -1]]])
+  values = data_lib.Records([{"text": "1", "label": (0.5, -1.0)}], vocab=data_lib.LabelVocab(("a", "b")),
+                            source="t", split="train", label_kind="values")
+  planned = data_lib.eval_batches([r["text"] for r in values], [r["label"] for r in values], tok,
+                                  batch_size=2, max_docs_per_row=2, label_spec=values.label_spec)
+  np.testing.assert_array_equal(planned[0]["labels"][0], [[0.5, -1.0], [np.nan, np.nan]])
+  assert planned[0]["labels"].dtype == np.float32 and np.isnan(planned[0]["labels"][1]).all()
+
+
+# ----------------------------------------------------------------------------
+# Objectives: the loss on device, the metrics and predictions on the host
+# ----------------------------------------------------------------------------
+
+def _bce(x, y):
+  return np.log1p(np.exp(-np.abs(x))) + np.maximum(x, 0) - x * y
+
+
+def test_multi_label_loss_is_the_mean_binary_cross_entropy_of_real_documents():
+  rng = np.random.default_rng(0)
+  objective = objectives.build("multi_label_classification", NAMES)
+  logits = rng.normal(0, 2, (2, 3, 3)).astype(np.float32)
+  labels = np.array([[[1, 0, 1], [0, 0, 0], [-1, -1, -1]], [[0, 1, 1], [-1, -1, -1], [-1, -1, -1]]], np.int32)
+  sums = jax.jit(objective.loss_sums)(jnp.asarray(logits), jnp.asarray(labels))
+  real = labels[..., 0] >= 0
+  expected = _bce(logits[real].astype(np.float64), labels[real]).mean(axis=-1).sum()
+  assert float(sums["count"]) == 3 and float(sums["loss_sum"]) == pytest.approx(expected, rel=1e-5)
+  predicted = logits[real] >= 0
+  gold = labels[real] > 0
+  np.testing.assert_array_equal(sums["stats"]["true_pos"], (predicted & gold).sum(0))
+  np.testing.assert_array_equal(sums["stats"]["false_pos"], (predicted & ~gold).sum(0))
+  np.testing.assert_array_equal(sums["stats"]["false_neg"], (~predicted & gold).sum(0))
+
+
+def test_regression_loss_is_on_standardized_targets_and_metrics_in_their_units():
+  rng = np.random.default_rng(1)
+  targets = rng.normal([3.0, -10.0], [2.0, 0.5], (50, 2))
+  objective = objectives.build("regression", ("a", "b"), train_targets=targets, standardize=True)
+  np.testing.assert_allclose(objective.mean, targets.mean(0))
+  np.testing.assert_allclose(objective.std, targets.std(0))
+  logits = rng.normal(0, 1, (2, 2, 2)).astype(np.float32)
+  labels = np.array([[[4.0, -9.5], [np.nan, np.nan]], [[1.0, -10.0], [2.0, -11.0]]], np.float32)
+  sums = jax.jit(objective.loss_sums)(jnp.asarray(logits), jnp.asarray(labels))
+  real = np.isfinite(labels[..., 0])
+  standardized = (labels[real] - targets.mean(0)) / targets.std(0)
+  assert float(sums["count"]) == 3
+  expected = np.square(logits[real] - standardized).mean(-1).sum()
+  assert float(sums["loss_sum"]) == pytest.approx(expected, rel=1e-5)
+  values = logits[real] * targets.std(0) + targets.mean(0)
+  window = objective.window_summary(jax.device_get(sums["stats"]))
+  assert window["mse"] == pytest.approx(np.square(values - labels[real]).mean(), rel=1e-5)
+  assert window["mae"] == pytest.approx(np.abs(values - labels[real]).mean(), rel=1e-5)
+  scored = objective.score(logits[real], labels[real])
+  assert scored["mse"] == pytest.approx(np.square(values - labels[real]).mean(), rel=1e-6)
+  assert [p["values"]["b"] for p in objective.predict(logits[real])] == pytest.approx(values[:, 1], abs=1e-5)
+  # Unstandardized: the model predicts the targets themselves.
+  plain = objectives.build("regression", ("a",))
+  assert plain.predict(np.array([[2.5]])) == [{"value": 2.5}]
+
+
+def test_multi_label_scores_predictions_and_tuned_thresholds():
+  rng = np.random.default_rng(2)
+  gold = rng.random((40, 3)) < [0.5, 0.2, 0.05]
+  logits = np.where(gold, 0.4, -0.4) + rng.normal(0, 0.8, gold.shape)
+  fixed = objectives.build("multi_label_classification", NAMES, threshold=0.6)
+  probabilities = 1 / (1 + np.exp(-logits))
+  scored = fixed.score(logits, gold.astype(np.int32))
+  expected = task_metrics.multi_label_scores(gold, probabilities >= 0.6)
+  for key in ("micro_f1", "macro_f1", "samples_f1"):
+    assert scored[key] == pytest.approx(expected[key])
+  expected_map = task_metrics.mean_average_precision(gold, probabilities)
+  assert scored["mean_average_precision"] == pytest.approx(expected_map)
+  assert scored["loss"] == pytest.approx(_bce(logits, gold).mean())
+  predicted = fixed.predict(logits[:4])
+  for p, probs in zip(predicted, probabilities[:4], strict=True):
+    assert p["labels"] == [n for n, q in zip(NAMES, probs, strict=True) if q >= 0.6]
+    assert list(p["scores"]) == NAMES
+  # "tune": one threshold, no worse on these documents than any fixed one; "tune_per_label": one each.
+  tuned = objectives.build("multi_label_classification", NAMES, threshold="tune").tune(logits, gold)
+  assert len(set(tuned.thresholds)) == 1
+  best = tuned.score(logits, gold.astype(np.int32))["micro_f1"]
+  for t in (0.3, 0.5, 0.6, 0.7):
+    assert best >= task_metrics.multi_label_scores(gold, probabilities >= t)["micro_f1"] - 1e-12
+  per_label = objectives.build("multi_label_classification", NAMES, threshold="tune_per_label")
+  per_label = per_label.tune(logits, gold)
+  assert per_label.score(logits, gold)["macro_f1"] >= tuned.score(logits, gold)["macro_f1"] - 1e-12
+  restored = objectives.build("multi_label_classification", NAMES).with_head(per_label.head())
+  assert restored.thresholds == per_label.thresholds
+
+
+def test_task_fields_are_validated_naming_the_field():
+  config = config_lib.default_config()
+  config.task = "ranking"
+  with pytest.raises(config_lib.ConfigError, match=r"config.task: must be one of \('classification'"):
+    config_lib.validate(config, num_devices=1, check_data=False)
+  config.task = "regression"
+  with pytest.raises(config_lib.ConfigError, match="config.data.dataset: the built-in 'bbc_news' is a "
+                     "'classification' dataset; config.task='regression' takes 'bbc_news_quotes' or"):
+    config_lib.validate(config, num_devices=1, check_data=False)
+  config.data.dataset = "bbc_news_quotes"
+  config.train.label_smoothing = 0.1
+  with pytest.raises(config_lib.ConfigError,
+                     match="config.train.label_smoothing: is for task 'classification'"):
+    config_lib.validate(config, num_devices=1, check_data=False)
+  config.train.label_smoothing = 0.0
+  config.checkpoint.best_metric = "accuracy"
+  with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint.best_metric: must be one of \('mse'"):
+    config_lib.validate(config, num_devices=1, check_data=False)
+  config.checkpoint.best_metric = None
+  assert config_lib.best_metric(config) == "mse"
+  config.task, config.data.dataset = "multi_label_classification", "bbc_news_regions"
+  for bad in (1.0, 0, "tuned", True):
+    config.eval.threshold = bad
+    with pytest.raises(config_lib.ConfigError, match="config.eval.threshold: must be"):
+      config_lib.validate(config, num_devices=1, check_data=False)
+
+
+def test_derived_bbc_labels_follow_their_rules():
+  assert bbc.regions("Talks in London and Brussels; the US said") == ["britain", "america", "europe"]
+  assert bbc.regions("USB sticks and Parisians") == []  # whole words only
+  assert bbc.quote_share('He said "yes". Then nothing. "No," she said.') == pytest.approx(2 / 3)
+  records = data_lib.load("bbc_news_regions", split="dev")
+  assert records.label_kind == "multi" and len(records) == 212
+  assert all(tuple(records.vocab.index(n) for n in bbc.regions(r["text"])) == r["label"] for r in records)
+
+
+# ----------------------------------------------------------------------------
+# End to end: train, evaluate, predict and export each task (in-process; the CLI is second tier)
+# ----------------------------------------------------------------------------
+
+def _write_multi_label(root: pathlib.Path, sizes=(160, 40, 40)) -> pathlib.Path:
+  """Documents with any subset of the topics (none included), worded from those topics."""
+  rng = random.Random(3)
+  root.mkdir(parents=True, exist_ok=True)
+  for split, n in zip(("train", "dev", "test"), sizes, strict=True):
+    rows = []
+    for _ in range(n):
+      labels = [t for t in NAMES if rng.random() < 0.4]
+      pool = [w for t in labels for w in TOPICS[t]]
+      words = [rng.choice(pool) if pool and rng.random() < 0.4 else rng.choice(FILLER)
+               for _ in range(rng.randint(6, 40))]
+      rows.append({"text": " ".join(words), "label": labels})
+    _lines(root / f"{split}.jsonl", rows)
+  return root
+
+
+def _write_regression(root: pathlib.Path, sizes=(160, 40, 40)) -> pathlib.Path:
+  """Two targets: how many sport words, and how many tech words, a document holds (as [a, b])."""
+  rng = random.Random(4)
+  root.mkdir(parents=True, exist_ok=True)
+  for split, n in zip(("train", "dev", "test"), sizes, strict=True):
+    rows = []
+    for _ in range(n):
+      words = [rng.choice(TOPICS[rng.choice(NAMES)]) if rng.random() < 0.5 else rng.choice(FILLER)
+               for _ in range(rng.randint(6, 30))]
+      rows.append({"text": " ".join(words), "score": [sum(w in TOPICS["sport"] for w in words),
+                                                     sum(w in TOPICS["tech"] for w in words)]})
+    _lines(root / f"{split}.jsonl", rows)
+  return root
+
+
+def _tiny(dataset, **fields):
+  sys.path.insert(0, str(REPO))
+  try:
+    from configs import tiny
+  finally:
+    sys.path.remove(str(REPO))
+  config = tiny.get_config()
+  config.data.dataset = str(dataset)
+  config.data.eval_split = "test"
+  config.train.num_steps, config.train.eval_every, config.checkpoint.every_steps = 24, 12, 12
+  config.compilation_cache_dir = ""
+  for field, value in fields.items():
+    section, _, leaf = field.rpartition("__")
+    (config[section] if section else config)[leaf] = value
+  return config
+
+
+@pytest.fixture(scope="module")
+def multi_label_run(tmp_path_factory):
+  dataset = _write_multi_label(tmp_path_factory.mktemp("multi"))
+  workdir = tmp_path_factory.mktemp("multi_run")
+  config = _tiny(dataset, task="multi_label_classification", eval__threshold="tune", model__pooling="cls")
+  result = loop.train_and_evaluate(config, str(workdir))
+  return config, workdir, dataset, result
+
+
+@pytest.fixture(scope="module")
+def regression_run(tmp_path_factory):
+  dataset = _write_regression(tmp_path_factory.mktemp("regression"))
+  workdir = tmp_path_factory.mktemp("regression_run")
+  config = _tiny(dataset, task="regression", data__label_field="score", data__standardize_targets=True,
+                 model__pooling="cls")
+  result = loop.train_and_evaluate(config, str(workdir))
+  return config, workdir, dataset, result
+
+
+def _texts(dataset, split="test"):
+  return [json.loads(line) for line in (pathlib.Path(dataset) / f"{split}.jsonl").read_text().splitlines()]
+
+
+def test_multi_label_trains_evaluates_predicts_and_exports(multi_label_run, tmp_path):
+  config, workdir, dataset, result = multi_label_run
+  windows = metrics_lib.read_metrics(str(workdir), "train_window")
+  assert all(0.0 <= w["micro_f1"] <= 1.0 for w in windows)
+  dev = metrics_lib.read_metrics(str(workdir), "dev")
+  assert [r["step"] for r in dev] == [12, 24]
+  assert all(0.0 <= r[k] <= 1.0 for r in dev for k in ("micro_f1", "macro_f1", "samples_f1",
+                                                             "mean_average_precision"))
+  # The threshold tuned at the last dev evaluation is saved with the last checkpoint, and eval.py,
+  # --predict and export use it.
+  rows = _texts(dataset)
+  documents = tmp_path / "docs.jsonl"
+  _lines(documents, [{"id": i, "text": r["text"]} for i, r in enumerate(rows)])
+  report = evaluate_lib.evaluate_checkpoint(config, str(workdir), checkpoint="latest", predict=str(documents))
+  thresholds = report["thresholds"]
+  assert len(set(thresholds)) == 1 and thresholds == result["dev"].get("thresholds", thresholds)
+  predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").read_text().splitlines()]
+  assert [p["id"] for p in predictions] == list(range(len(rows)))
+  for p in predictions:
+    assert p["labels"] == [n for n in NAMES if p["scores"][n] >= thresholds[NAMES.index(n)]]
+  # The test metrics from the written predictions, scored independently, are eval.py's.
+  gold = np.array([[n in r["label"] for n in NAMES] for r in rows])
+  predicted = np.array([[n in p["labels"] for n in NAMES] for p in predictions])
+  expected = task_metrics.multi_label_scores(gold, predicted)
+  assert report["num_examples"] == len(rows) and report["task"] == "multi_label_classification"
+  for key in ("micro_f1", "macro_f1", "samples_f1"):
+    assert report[key] == pytest.approx(expected[key], abs=1e-9), key
+  scores = np.array([[p["scores"][n] for n in NAMES] for p in predictions])
+  assert report["mean_average_precision"] == pytest.approx(task_metrics.mean_average_precision(gold, scores),
+                                                           abs=1e-4)
+  # Export: problem_type and the thresholds in config.json; our importer reads back the same logits.
+  out = export.export_to_transformers(str(workdir), tmp_path / "hf", checkpoint="latest")
+  hf = json.loads((out / "config.json").read_text())
+  assert hf["problem_type"] == "multi_label_classification" and hf["thresholds"] == thresholds
+  assert hf["id2label"] == {str(i): n for i, n in enumerate(NAMES)}
+  _same_logits_after_export(workdir, out, scale=None)
+
+
+def test_regression_trains_evaluates_predicts_and_exports_in_target_units(regression_run, tmp_path):
+  config, workdir, dataset, result = regression_run
+  assert all(np.isfinite(w["mse"]) for w in metrics_lib.read_metrics(str(workdir), "train_window"))
+  rows = _texts(dataset)
+  documents = tmp_path / "docs.jsonl"
+  _lines(documents, [{"text": r["text"]} for r in rows])
+  report = evaluate_lib.evaluate_checkpoint(config, str(workdir), checkpoint="latest", predict=str(documents))
+  targets = np.array([r["score"] for r in _texts(dataset, "train")], np.float64)
+  np.testing.assert_allclose(report["target_mean"], targets.mean(0))
+  np.testing.assert_allclose(report["target_std"], targets.std(0))
+  predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").read_text().splitlines()]
+  values = np.array([[p["values"]["score[0]"], p["values"]["score[1]"]] for p in predictions])
+  gold = np.array([r["score"] for r in rows], np.float64)
+  expected = task_metrics.regression_scores(gold, values)
+  for key in ("mse", "mae", "pearson", "spearman"):
+    assert report[key] == pytest.approx(expected[key], rel=1e-4, abs=1e-5), key
+  # Export folds the standardization into the head: the reloaded model outputs target units.
+  out = export.export_to_transformers(str(workdir), tmp_path / "hf", checkpoint="latest")
+  hf = json.loads((out / "config.json").read_text())
+  assert hf["problem_type"] == "regression" and hf["num_labels"] == 2
+  _same_logits_after_export(workdir, out, scale=(report["target_mean"], report["target_std"]))
+
+
+def _same_logits_after_export(workdir, out, scale):
+  run = export.restore_run(str(workdir), checkpoint="latest")
+  model, params = run["model"], run["params"]
+  reloaded, reloaded_params = models.from_pretrained(str(out), num_labels=model.num_labels, impl="reference",
+                                                     pooling="cls", dropout_rate=0.0)
+  ids = np.array([[101, 2000, 2001, 2002, 102, 0]], np.int32)
+  seg = np.array([[1, 1, 1, 1, 1, 0]], np.int32)
+  ours = np.asarray(model.clone(impl="reference").apply({"params": params}, ids, seg), np.float64)
+  if scale is not None:
+    ours = ours * np.asarray(scale[1]) + np.asarray(scale[0])
+  theirs = np.asarray(reloaded.apply({"params": reloaded_params}, ids, seg), np.float64)
+  np.testing.assert_allclose(theirs, ours, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# The command line: each shipped task config, shrunk, through train.py, eval.py and export
+# ----------------------------------------------------------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["multi_label", "regression"])
+def test_task_configs_train_evaluate_predict_and_export_from_the_command_line(name, tmp_path):
+  shrink = ["--config.train.num_steps=4", "--config.train.eval_every=2", "--config.train.eval_max_batches=1",
+            "--config.model.max_len=64", "--config.train.batch_size=4", "--config.data.eval_batch_size=4",
+            "--config.checkpoint.every_steps=2"]
+  common = ["--config", str(REPO / f"configs/{name}.py"), "--workdir", str(tmp_path / "run"), *shrink]
+  run = lambda *args: subprocess.run([sys.executable, *args], env=_env(), cwd=REPO, capture_output=True,
+                                     text=True, timeout=900)
+  result = run(str(REPO / "train.py"), *common)
+  assert result.returncode == 0, result.stderr[-4000:]
+  documents = _lines(tmp_path / "docs.jsonl", [{"text": "Talks in London on the EU budget."},
+                                                {"text": '"We won," the coach said.'}])
+  result = run(str(REPO / "eval.py"), *common, "--config.data.eval_split=dev", f"--predict={documents}")
+  assert result.returncode == 0, result.stderr[-4000:]
+  report = json.loads((tmp_path / "run" / "eval_metrics.json").read_text())
+  predictions = [json.loads(line)
+                 for line in (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()]
+  assert len(predictions) == 2 and report["num_examples"] == 212
+  if name == "multi_label":
+    assert np.isfinite(report["micro_f1"]) and all("labels" in p and "scores" in p for p in predictions)
+  else:
+    assert np.isfinite(report["mse"]) and all(isinstance(p["value"], float) for p in predictions)
+  result = run("-m", "flash_layers.export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}",
+               "--checkpoint=latest")
+  assert result.returncode == 0, result.stderr[-4000:]
+  problem = {"multi_label": "multi_label_classification", "regression": "regression"}[name]
+  assert json.loads((tmp_path / "hf" / "config.json").read_text())["problem_type"] == problem
