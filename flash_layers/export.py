@@ -1,4 +1,5 @@
-"""A fine-tuned run out to Hugging Face transformers: `AutoModelForSequenceClassification` loads it.
+"""A fine-tuned run out to Hugging Face transformers: `AutoModelForSequenceClassification` loads it
+(`AutoModelForTokenClassification` a token-classification run's).
 
     python -m flash_layers.export --workdir runs/quickstart --out exported/quickstart
     python -m flash_layers.export --workdir runs/X --out DIR --checkpoint latest --config configs/X.py
@@ -65,7 +66,7 @@ def restore_run(workdir: str, *, config=None, checkpoint: str | int = "best") ->
     source = pretrained.read_config(pretrained.resolve_path(config.model.pretrained))
     source_type = source.get("model_type", "bert")
   model_type = model_type_of(task.model, source_type)
-  check_exportable(task.model, model_type)  # before the params are read
+  check_exportable(task.model, model_type, tokens=task.objective.per_token)  # before the params are read
   step, params, objective = evaluate.restore_params(config, workdir, task, mesh, which)
   return {"model": task.model, "params": jax.tree.map(np.asarray, params), "label_names": task.label_names,
           "tokenizer": task_lib.tokenizer_path(config), "config": config, "step": step,
@@ -74,7 +75,7 @@ def restore_run(workdir: str, *, config=None, checkpoint: str | int = "best") ->
 
 def task_fields(objective: objectives.Objective) -> dict[str, Any]:
   """`export_model`'s task arguments for a run's objective."""
-  fields: dict[str, Any] = {"problem_type": objective.problem_type}
+  fields: dict[str, Any] = {"problem_type": objective.problem_type or objective.task}
   if isinstance(objective, objectives.MultiLabel):
     fields["thresholds"] = list(objective.thresholds)
   standardized = any(objective.mean) or any(s != 1 for s in objective.std) \
@@ -113,8 +114,10 @@ def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
   out = export_to_transformers(FLAGS.workdir, FLAGS.out, config=FLAGS.config, checkpoint=FLAGS.checkpoint)
-  print(f"exported {FLAGS.workdir} ({FLAGS.checkpoint}) to {out}: "
-        f"AutoModelForSequenceClassification.from_pretrained({str(out)!r})")
+  architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+  auto = "AutoModelFor" + ("TokenClassification" if "TokenClassification" in architecture else
+                           "SequenceClassification")
+  print(f"exported {FLAGS.workdir} ({FLAGS.checkpoint}) to {out}: {auto}.from_pretrained({str(out)!r})")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,12 @@
-"""The document tasks beyond single-label classification: multi-label and regression, from the files
-on disk to the batches, the loss, the metrics, eval.py's predictions and the export.
+"""The document tasks beyond single-label classification: multi-label, regression and token
+classification, from the files on disk to the batches, the loss, the metrics, eval.py's predictions and
+the export.
 
 References are independent of the code under test: NumPy re-derivations of each loss, metrics
 recomputed from the written predictions with the hand-checked functions of training/task_metrics.py
 (tests/test_task_metrics.py), the data files written here, and the exported model read back by our
-own importer. transformers itself reads the exports in benchmarks/hf_export_check.py (outside the
-project). The command-line runs of configs/multi_label.py and configs/regression.py are second tier.
+own importer. The command-line runs of configs/multi_label.py, regression.py and
+token_classification.py (shrunk) are second tier.
 """
 
 from __future__ import annotations
@@ -401,7 +402,7 @@ def _same_logits_after_export(workdir, out, scale):
 # ----------------------------------------------------------------------------
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["multi_label", "regression"])
+@pytest.mark.parametrize("name", ["multi_label", "regression", "token_classification"])
 def test_task_configs_train_evaluate_predict_and_export_from_the_command_line(name, tmp_path):
   shrink = ["--config.train.num_steps=4", "--config.train.eval_every=2", "--config.train.eval_max_batches=1",
             "--config.model.max_len=64", "--config.train.batch_size=4", "--config.data.eval_batch_size=4",
@@ -411,8 +412,9 @@ def test_task_configs_train_evaluate_predict_and_export_from_the_command_line(na
                                      text=True, timeout=900)
   result = run(str(REPO / "train.py"), *common)
   assert result.returncode == 0, result.stderr[-4000:]
-  documents = _lines(tmp_path / "docs.jsonl", [{"text": "Talks in London on the EU budget."},
-                                                {"text": '"We won," the coach said.'}])
+  texts = ["Talks in London on the EU budget.", '"We won," the coach said.']
+  field = "tokens" if name == "token_classification" else "text"
+  documents = _lines(tmp_path / "docs.jsonl", [{field: t.split() if field == "tokens" else t} for t in texts])
   result = run(str(REPO / "eval.py"), *common, "--config.data.eval_split=dev", f"--predict={documents}")
   assert result.returncode == 0, result.stderr[-4000:]
   report = json.loads((tmp_path / "run" / "eval_metrics.json").read_text())
@@ -421,10 +423,161 @@ def test_task_configs_train_evaluate_predict_and_export_from_the_command_line(na
   assert len(predictions) == 2 and report["num_examples"] == 212
   if name == "multi_label":
     assert np.isfinite(report["micro_f1"]) and all("labels" in p and "scores" in p for p in predictions)
-  else:
+  elif name == "regression":
     assert np.isfinite(report["mse"]) and all(isinstance(p["value"], float) for p in predictions)
+  else:
+    assert np.isfinite(report["entity_f1"]) and [len(p["tags"]) for p in predictions] == [7, 5]
   result = run("-m", "flash_layers.export", f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'hf'}",
                "--checkpoint=latest")
   assert result.returncode == 0, result.stderr[-4000:]
-  problem = {"multi_label": "multi_label_classification", "regression": "regression"}[name]
-  assert json.loads((tmp_path / "hf" / "config.json").read_text())["problem_type"] == problem
+  hf = json.loads((tmp_path / "hf" / "config.json").read_text())
+  problem = {"multi_label": "multi_label_classification", "regression": "regression"}.get(name)
+  assert hf.get("problem_type") == problem and hf["architectures"][0].endswith(
+      "TokenClassification" if name == "token_classification" else "SequenceClassification")
+
+
+# ----------------------------------------------------------------------------
+# Token classification
+# ----------------------------------------------------------------------------
+
+def test_tagged_words_are_read_and_checked(tmp_path):
+  _lines(tmp_path / "train.jsonl", [{"tokens": ["John", "lives", "in", "New", "York"],
+                                     "tags": ["B-PER", "O", "O", "B-LOC", "I-LOC"]}])
+  records = data_lib.load(tmp_path, label_kind="tags", text_column="tokens", label_column="tags")
+  assert records.vocab.names == ("B-LOC", "B-PER", "I-LOC", "O")
+  assert records[0] == {"text": ("John", "lives", "in", "New", "York"), "label": (1, 3, 3, 0, 2)}
+  bad = {"short.jsonl": ({"tokens": ["a", "b"], "tags": ["O"]},
+                         r"short.jsonl:1: field 'tags' has 1 tags but the document has 2 words"),
+         "type.jsonl": ({"tokens": ["a"], "tags": ["PER"]}, r"type.jsonl:1: field 'tags': tag 0 is 'PER'"),
+         "text.jsonl": ({"tokens": "a b", "tags": ["O"]},
+                        r"text.jsonl:1: field 'tokens' must be a list of words")}
+  for name, (row, match) in bad.items():
+    _lines(tmp_path / name, [row])
+    with pytest.raises(data_lib.DataError, match=match):
+      data_lib.load(tmp_path / name, label_kind="tags", text_column="tokens", label_column="tags")
+  (tmp_path / "t.csv").write_text("tokens,tags\na,O\n")
+  with pytest.raises(data_lib.DataError, match="token classification data is JSONL"):
+    data_lib.load(tmp_path / "t.csv", label_kind="tags", text_column="tokens", label_column="tags")
+
+
+@pytest.mark.parametrize("max_len,stride", [(8, 2), (12, 0), (16, 5)])
+def test_each_word_is_predicted_once_from_the_window_where_it_is_most_central(max_len, stride):
+  rng = random.Random(max_len)
+  vocabulary = [w for ws in TOPICS.values() for w in ws] + FILLER + ["unbelievably", "xylophones"]
+  documents = [[rng.choice(vocabulary) for _ in range(rng.randint(1, 30))] for _ in range(12)]
+  tok = data_lib.TextTokenizer("minilm", max_len=max_len, long_docs="windows", stride=stride)
+  alone = lambda w: tok.tokenizer.encode([w], is_pretokenized=True).ids[1:-1]  # [CLS] w [SEP], unframed
+  for words, windows in zip(documents, tok.encode_words(documents), strict=True):
+    # Independently: a word's pieces are those it has alone; the document is their concatenation.
+    pieces = [alone(w) for w in words]
+    starts = np.cumsum([0] + [len(p) for p in pieces])
+    content = max_len - 2
+    covered, central = [], []
+    for k, window in enumerate(windows):
+      assert len(window.ids) <= max_len and window.ids[0] == 101 and window.ids[-1] == 102
+      offset = k * (content - stride)
+      np.testing.assert_array_equal(window.ids[1:-1], [i for p in pieces for i in p][offset:offset + content])
+      for position in np.flatnonzero(window.first_word >= 0):
+        assert starts[window.first_word[position]] == offset + position - 1  # a word's first piece
+      covered += [offset, offset + len(window.ids) - 2]
+      central += window.central_word[window.central_word >= 0].tolist()
+    assert sorted(central) == list(range(len(words)))  # each word exactly once
+    for w in range(len(words)):  # ... from the window where its first piece is farthest from an edge
+      spans = [(k * (content - stride), k * (content - stride) + len(win.ids) - 2)
+               for k, win in enumerate(windows)]
+      margins = [min(starts[w] - a, b - 1 - starts[w]) if a <= starts[w] < b else -1 for a, b in spans]
+      chosen = next(k for k, win in enumerate(windows) if w in win.central_word)
+      assert margins[chosen] == max(margins) and chosen == margins.index(max(margins))
+  tags = [[rng.randint(0, 3) for _ in d] for d in documents]
+  planned = data_lib.eval_plan.token_eval_batches(documents, tags, tok, batch_size=4)
+  word_ids = np.concatenate([b["word_ids"][b["word_ids"] >= 0] for b in planned])
+  assert sorted(word_ids.tolist()) == list(range(sum(map(len, documents))))
+  gold = np.concatenate(tags)
+  for b in planned:
+    np.testing.assert_array_equal(b["labels"][b["word_ids"] >= 0], gold[b["word_ids"][b["word_ids"] >= 0]])
+    assert (b["labels"][b["word_ids"] < 0] == -1).all()
+
+
+def test_token_loss_and_word_scores():
+  names = ("B-LOC", "B-PER", "I-PER", "O")
+  objective = objectives.build("token_classification", names)
+  rng = np.random.default_rng(5)
+  logits = rng.normal(0, 2, (2, 6, 4)).astype(np.float32)
+  labels = np.array([[-1, 1, 2, 3, -1, -1], [-1, 0, -1, 3, 3, -1]], np.int32)
+  sums = jax.jit(objective.loss_sums)(jnp.asarray(logits), jnp.asarray(labels))
+  tagged = labels >= 0
+  log_probs = logits[tagged] - np.log(np.exp(logits[tagged].astype(np.float64)).sum(-1, keepdims=True))
+  assert float(sums["count"]) == 6
+  assert float(sums["loss_sum"]) == pytest.approx(-log_probs[np.arange(6), labels[tagged]].sum(), rel=1e-5)
+  assert float(sums["stats"]["correct"]) == (logits[tagged].argmax(-1) == labels[tagged]).sum()
+  # Two documents of 3 and 2 words; the last word was in no window: predicted "O".
+  onehot = lambda t: np.eye(4)[t] * 5
+  word_logits = np.stack([onehot(1), onehot(2), onehot(3), onehot(0), onehot(0)])
+  seen = np.array([True, True, True, True, False])
+  gold = [np.array([1, 2, 3]), np.array([0, 0])]  # B-PER I-PER O | B-LOC B-LOC
+  scored = objective.score_words(word_logits, seen, [3, 2], gold)
+  # Gold entities: PER(0-1), LOC(0), LOC(1); predicted: PER(0-1), LOC(0). Hand count: 2 of 3 found.
+  assert (scored["entity_precision"], scored["entity_recall"]) == (1.0, pytest.approx(2 / 3))
+  assert scored["entity_f1"] == pytest.approx(0.8) and scored["token_accuracy"] == pytest.approx(4 / 5)
+  assert objective.predict_words(word_logits, seen, [3, 2]) == [{"tags": ["B-PER", "I-PER", "O"]},
+                                                                 {"tags": ["B-LOC", "O"]}]
+
+
+def _write_tagged(root: pathlib.Path, sizes=(120, 30, 30)) -> pathlib.Path:
+  """Sentences whose topic words are entities of their topic: a run of them is B- then I-."""
+  rng = random.Random(6)
+  root.mkdir(parents=True, exist_ok=True)
+  for split, n in zip(("train", "dev", "test"), sizes, strict=True):
+    rows = []
+    for _ in range(n):
+      words, tags = [], []
+      for _ in range(rng.randint(4, 40)):
+        topic = rng.choice(NAMES) if rng.random() < 0.3 else None
+        words.append(rng.choice(TOPICS[topic]) if topic else rng.choice(FILLER))
+        inside = topic and tags and tags[-1] != "O" and tags[-1][2:] == topic.upper()
+        tags.append("O" if not topic else ("I-" if inside else "B-") + topic.upper())
+      rows.append({"tokens": words, "tags": tags})
+    _lines(root / f"{split}.jsonl", rows)
+  return root
+
+
+@pytest.fixture(scope="module")
+def token_run(tmp_path_factory):
+  dataset = _write_tagged(tmp_path_factory.mktemp("tagged"))
+  workdir = tmp_path_factory.mktemp("token_run")
+  config = _tiny(dataset, task="token_classification", data__long_documents="windows", data__window_stride=4,
+                 data__packing=True, data__max_docs_per_row=4)
+  config.train.num_steps, config.train.learning_rate = 36, 1e-2
+  result = loop.train_and_evaluate(config, str(workdir))
+  return config, workdir, dataset, result
+
+
+def test_token_classification_trains_evaluates_predicts_and_exports(token_run, tmp_path):
+  config, workdir, dataset, result = token_run
+  windows = metrics_lib.read_metrics(str(workdir), "train_window")
+  assert windows[-1]["token_accuracy"] > 0.8  # most words are "O"; the test below scores entities
+  rows = _texts(dataset)
+  assert max(len(r["tokens"]) for r in rows) > 32  # longer than a window: split, each word once
+  documents = _lines(tmp_path / "docs.jsonl", [{"id": i, "tokens": r["tokens"]} for i, r in enumerate(rows)])
+  report = evaluate_lib.evaluate_checkpoint(config, str(workdir), checkpoint="latest", predict=str(documents))
+  predictions = [json.loads(line) for line in (workdir / "predictions.jsonl").read_text().splitlines()]
+  assert [len(p["tags"]) for p in predictions] == [len(r["tokens"]) for r in rows]
+  assert [p["tokens"] for p in predictions] == [r["tokens"] for r in rows]
+  gold = [r["tags"] for r in rows]
+  for mode, suffix in (("default", ""), ("strict", "_strict")):
+    expected = task_metrics.entity_scores(gold, [p["tags"] for p in predictions], mode)
+    assert report[f"entity_f1{suffix}"] == pytest.approx(expected["f1"], abs=1e-12)
+    assert report[f"entity_recall{suffix}"] == pytest.approx(expected["recall"], abs=1e-12)
+  assert report["token_accuracy"] == pytest.approx(expected["token_accuracy"])
+  assert report["entity_f1"] > 0.5 and report["words_scored"] == sum(len(g) for g in gold)
+  out = export.export_to_transformers(str(workdir), tmp_path / "hf", checkpoint="latest")
+  hf = json.loads((out / "config.json").read_text())
+  assert hf["architectures"] == ["BertForTokenClassification"] and "problem_type" not in hf
+  run = export.restore_run(str(workdir), checkpoint="latest")
+  reloaded, params = models.from_pretrained(str(out), num_labels=run["model"].num_labels, impl="reference",
+                                            pooling="mean", dropout_rate=0.0)
+  ids = np.array([[101, 2000, 2001, 2002, 102, 0]], np.int32)
+  seg = np.array([[1, 1, 1, 1, 1, 0]], np.int32)
+  ours = run["model"].clone(impl="reference").apply({"params": run["params"]}, ids, seg, method="tag")
+  theirs = reloaded.apply({"params": params}, ids, seg, method="tag")
+  np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-4, atol=1e-4)

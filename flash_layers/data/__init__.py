@@ -36,8 +36,8 @@ def load(name_or_path: str | pathlib.Path, split: str = "train", **options) -> R
 
   Args:
     name_or_path: "bbc_news", "listops", "bbc_news_regions" (multi-label), "bbc_news_quotes"
-      (regression), a .jsonl/.csv/.tsv file, a folder of <label>/*.txt, or a
-      directory holding the splits as train/dev/test files or folders.
+      (regression), "bbc_news_places" (token classification), a .jsonl/.csv/.tsv file, a folder of
+      <label>/*.txt, or a directory holding the splits as train/dev/test files or folders.
     split: "train", "dev" or "test".
     **options: bbc_news: `seed` (of the fixed split). listops: `num_examples`, `seed`, `cache_dir`.
       Files: `label_vocab` (a LabelVocab, the path of a saved one, or a list of names),

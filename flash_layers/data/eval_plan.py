@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flash_layers.data.pipeline import pack_rows
+from flash_layers.data.pipeline import pack_rows, token_tags
 from flash_layers.data.readers import SINGLE, LabelSpec
 from flash_layers.data.tokenize import TextTokenizer
 
@@ -137,14 +137,65 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
   """
   if labels is not None and len(labels) != len(texts):
     raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
-  if batch_size % process_count:
-    raise ValueError(f"batch_size={batch_size} must divide over {process_count} processes")
-  max_docs = max_docs_per_row if pack else 1
-  buckets = tuple(buckets or length_buckets(tokenizer.max_len))
+  if label_spec.per_token:
+    return token_eval_batches(texts, labels, tokenizer, batch_size=batch_size,
+                              max_docs_per_row=max_docs_per_row, pack=pack, buckets=buckets,
+                              row_tokens=row_tokens, row_multiple=row_multiple,
+                              process_index=process_index, process_count=process_count)
   windows, doc_of = [], []
   for doc, ws in enumerate(tokenizer.encode(list(texts))):
     windows += ws
     doc_of += [doc] * len(ws)
+  slots = [None if labels is None else labels[doc] for doc in doc_of]
+  return _planned(windows, slots, doc_of, {}, tokenizer, label_spec, batch_size=batch_size,
+                  max_docs_per_row=max_docs_per_row, pack=pack, buckets=buckets, row_tokens=row_tokens,
+                  row_multiple=row_multiple, process_index=process_index, process_count=process_count)
+
+
+class TokenBatches(list):
+  """Token classification's evaluation batches, with what scoring needs beyond them: `doc_words`
+  (each document's number of words) and `doc_tags` (each document's gold tag ids; None to predict).
+  A word is in the batches at most once, at its first piece in the window where that piece is most
+  central (tokenize.WordWindow); a word in no window (cut off by truncation, or turned into no
+  piece) is scored as predicted "O"."""
+
+  def __init__(self, batches, doc_words: list[int], doc_tags: list[np.ndarray] | None):
+    super().__init__(batches)
+    self.doc_words = doc_words
+    self.doc_tags = doc_tags
+
+
+def token_eval_batches(documents: Sequence[Sequence[str]], tags: Sequence | None, tokenizer: TextTokenizer,
+                       **options) -> TokenBatches:
+  """`eval_batches` for token classification: `documents` are lists of words, `tags` their tag ids
+  (or None). Each batch's "labels" [rows, length] holds a word's gold tag at the one token it is
+  scored at, and "word_ids" the word's index in the whole split (documents' words numbered in order),
+  -1 elsewhere."""
+  if tags is not None and len(tags) != len(documents):
+    raise ValueError(f"{len(documents)} documents but {len(tags)} tag lists")
+  doc_words = [len(d) for d in documents]
+  offsets = np.concatenate([[0], np.cumsum(doc_words)]).astype(np.int64)
+  windows, doc_of, slots, word_ids = [], [], [], []
+  for doc, ws in enumerate(tokenizer.encode_words(list(documents))):
+    for w in ws:
+      windows.append(w.ids)
+      doc_of.append(doc)
+      slots.append(token_tags(w.central_word, None if tags is None else tags[doc]))
+      word_ids.append(np.where(w.central_word >= 0, w.central_word + offsets[doc], -1).astype(np.int32))
+  batches = _planned(windows, slots, doc_of, {"word_ids": word_ids}, tokenizer, LabelSpec("tags"), **options)
+  return TokenBatches(batches, doc_words, None if tags is None else [np.asarray(t, np.int32) for t in tags])
+
+
+def _planned(windows, slots, doc_of, extras: dict, tokenizer, label_spec, *, batch_size: int,
+             max_docs_per_row: int = 8, pack: bool = True, buckets: Sequence[int] | None = None,
+             row_tokens: int | None = ROW_TOKENS, row_multiple: int = 1, process_index: int = 0,
+             process_count: int = 1) -> list[dict[str, np.ndarray]]:
+  """The batches of windows (token ids) with their label slots, and per-token `extras` arrays laid out
+  as the tokens are."""
+  if batch_size % process_count:
+    raise ValueError(f"batch_size={batch_size} must divide over {process_count} processes")
+  max_docs = max_docs_per_row if pack else 1
+  buckets = tuple(buckets or length_buckets(tokenizer.max_len))
   plan = plan_batches([len(w) for w in windows], batch_size=batch_size, max_docs=max_docs,
                       buckets=buckets, pack=pack, row_tokens=row_tokens,
                       row_multiple=math.lcm(row_multiple, process_count))
@@ -152,12 +203,19 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
   for planned in plan:
     local = planned.num_rows // process_count
     mine = planned.rows[process_index * local:(process_index + 1) * local]
-    batch = pack_rows([[(windows[i], None if labels is None else labels[doc_of[i]]) for i in row]
-                       for row in mine], batch_size=local, max_len=planned.row_len, max_docs=max_docs,
-                      pad_id=tokenizer.pad_id, label_spec=label_spec)
+    batch = pack_rows([[(windows[i], slots[i]) for i in row] for row in mine], batch_size=local,
+                      max_len=planned.row_len, max_docs=max_docs, pad_id=tokenizer.pad_id,
+                      label_spec=label_spec)
     doc_ids = np.full((local, max_docs), -1, np.int32)
+    for name in extras:
+      batch[name] = np.full((local, planned.row_len), -1, np.int32)
     for r, row in enumerate(mine):
       doc_ids[r, :len(row)] = [doc_of[i] for i in row]
+      start = 0
+      for i in row:
+        for name, per_window in extras.items():
+          batch[name][r, start:start + len(windows[i])] = per_window[i]
+        start += len(windows[i])
     batch["doc_ids"] = doc_ids
     out.append(batch)
   return out

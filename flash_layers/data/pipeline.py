@@ -12,6 +12,8 @@ Every batch is a dict of int32 numpy arrays:
   labels       [batch, max_docs]  label of the row's d-th document (segment id d + 1), -1 where none;
                a multi-label or regression task adds a last axis (readers.LabelSpec: a multi-hot
                row, -1 where none, or float32 targets, NaN where none)
+               token classification: [batch, max_len], a tag id per token (its word's first
+               piece), -1 elsewhere
 
 Without packing a row holds one document (max_docs = 1). With packing, documents are placed in
 order, greedily: a row takes the next document while it fits in max_len and the row has fewer
@@ -40,14 +42,28 @@ Example = tuple[np.ndarray, Any]  # (token ids of one window, its document's lab
 
 
 class _Encode:
-  """Tokenize a chunk of records: -> [(window ids, label)], windows of a record in order."""
+  """Tokenize a chunk of records: -> [(window ids, label)], windows of a record in order. Token
+  classification ("tags"): the label is per token, the word's tag on its first piece, else -1."""
 
-  def __init__(self, tokenizer: TextTokenizer):
+  def __init__(self, tokenizer: TextTokenizer, per_token: bool = False):
     self.tokenizer = tokenizer
+    self.per_token = per_token
 
   def __call__(self, records: Sequence[dict]) -> list[Example]:
+    if self.per_token:
+      windows = self.tokenizer.encode_words([r["text"] for r in records])
+      return [(w.ids, token_tags(w.first_word, r["label"])) for r, ws in zip(records, windows, strict=True)
+              for w in ws]
     windows = self.tokenizer.encode([r["text"] for r in records])
     return [(w, r["label"]) for r, ws in zip(records, windows, strict=True) for w in ws]
+
+
+def token_tags(word_index: np.ndarray, tags) -> np.ndarray:
+  """int32 per token: tags[w] where word_index is w >= 0, -1 elsewhere (tags None: all -1)."""
+  if tags is None:
+    return np.full(len(word_index), -1, np.int32)
+  tags = np.asarray(tags, np.int32)
+  return np.where(word_index >= 0, tags[np.maximum(word_index, 0)] if len(tags) else -1, -1).astype(np.int32)
 
 
 def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: int, max_docs: int,
@@ -58,7 +74,7 @@ def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: in
   ids = np.full((batch_size, max_len), pad_id, np.int32)
   seg = np.zeros((batch_size, max_len), np.int32)
   pos = np.zeros((batch_size, max_len), np.int32)
-  labels = label_spec.empty(batch_size, max_docs)
+  labels = label_spec.empty(batch_size, max_len if label_spec.per_token else max_docs)
   for r, row in enumerate(rows):
     if len(row) > max_docs:
       raise ValueError(f"row {r} has {len(row)} documents; max_docs={max_docs}")
@@ -70,7 +86,10 @@ def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: in
       ids[r, start:end] = tokens
       seg[r, start:end] = d + 1
       pos[r, start:end] = np.arange(len(tokens))
-      labels[r, d] = label_spec.encode(label)
+      if label_spec.per_token:
+        labels[r, start:end] = -1 if label is None else label
+      else:
+        labels[r, d] = label_spec.encode(label)
       start = end
   return {"input_ids": ids, "segment_ids": seg, "positions": pos, "labels": labels}
 
@@ -196,12 +215,12 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
   if shuffle:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)[process_index::process_count]
-  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer))
+  label_spec = getattr(records, "label_spec", SINGLE)
+  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer, label_spec.per_token))
   it = ds.to_iter_dataset()
   if num_workers:
     _absl_flags_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  label_spec = getattr(records, "label_spec", SINGLE)
   return PackedBatches(it, batch_size=batch_size, max_len=tokenizer.max_len, max_docs=max_docs_per_row,
                        pad_id=tokenizer.pad_id, pack=pack, drop_remainder=drop_remainder,
                        label_spec=label_spec)

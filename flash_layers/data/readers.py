@@ -9,6 +9,9 @@ Every reader returns a `Records`: a list of {"text": str, "label": ...} whose la
   "values"  regression targets: a number, or a list of `num` numbers (JSONL), or a number / a
             ";"-separated list of numbers (CSV/TSV); the label is a tuple of floats, and the
             vocabulary names the outputs.
+  "tags"    token classification (JSONL only): the text field holds the document's words (a list
+            of strings) and the label field one tag per word, "O" or B-/I- plus a type (IOB1 or
+            IOB2); the record's "text" is the tuple of words and its label the tuple of tag ids.
 
 The vocabulary comes from the training split and is saved with the model; at eval time it is
 passed back in, so that label ids mean the same thing in both runs and a label the model never saw
@@ -34,7 +37,7 @@ import numpy as np
 from flash_layers.errors import UserError
 
 SPLITS = ("train", "dev", "test")
-LABEL_KINDS = ("single", "multi", "values")
+LABEL_KINDS = ("single", "multi", "values", "tags")
 UNSEEN_LABELS = ("error", "ignore")
 MULTI_SEPARATOR = ";"  # between the labels of a document in a CSV/TSV cell
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
@@ -122,6 +125,7 @@ class LabelSpec:
 
   "single": an int32 scalar per slot, -1 = no document / no label. "multi": an int32 multi-hot row
   of `size` classes, all -1 = none. "values": a float32 row of `size` targets, NaN = none.
+  "tags": one int32 tag id per token instead of per document ([rows, length]), -1 = not scored.
   """
 
   kind: str = "single"
@@ -133,7 +137,11 @@ class LabelSpec:
 
   @property
   def shape(self) -> tuple[int, ...]:
-    return () if self.kind == "single" else (self.size,)
+    return () if self.kind in ("single", "tags") else (self.size,)
+
+  @property
+  def per_token(self) -> bool:
+    return self.kind == "tags"
 
   def empty(self, *leading: int) -> np.ndarray:
     """A labels array of `leading` slots, all empty."""
@@ -207,7 +215,14 @@ def _check_text(text, where: str) -> str:
   return text
 
 
-def _read_jsonl(path: pathlib.Path, text_column: str, label_column: str):
+def _check_words(words, where: str, text_column: str) -> tuple[str, ...]:
+  if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+    raise DataError(f"{where}field {text_column!r} must be a list of words (strings) for token "
+                    f"classification; got {type(words).__name__} {words!r:.60}")
+  return tuple(words)
+
+
+def _read_jsonl(path: pathlib.Path, text_column: str, label_column: str, words: bool = False):
   content = _read_text(path)
   rows = 0
   for lineno, line in enumerate(content.splitlines(), 1):
@@ -225,7 +240,9 @@ def _read_jsonl(path: pathlib.Path, text_column: str, label_column: str):
       raise DataError(f"{where}missing column(s) {missing}; the line has {sorted(row)} "
                       f"({_CHOOSE_COLUMNS})")
     rows += 1
-    yield _check_text(row[text_column], where), row[label_column], where
+    text = row[text_column]
+    text = _check_words(text, where, text_column) if words else _check_text(text, where)
+    yield text, row[label_column], where
   if rows == 0:
     raise DataError(f"{path}: empty file (no records)")
 
@@ -265,9 +282,10 @@ def _read_class_folders(root: pathlib.Path):
       yield text, folder.name, f"{path}: "
 
 
-def read_documents(path: str | pathlib.Path, *, text_column: str = "text") -> list[dict]:
+def read_documents(path: str | pathlib.Path, *, text_column: str = "text", words: bool = False) -> list[dict]:
   """The JSON objects of a JSONL file of unlabelled documents, each with a string `text_column`
-  (to predict); DataError naming the file and line otherwise."""
+  (with `words`: a list of strings, for token classification) to predict; DataError naming the file
+  and line otherwise."""
   path = pathlib.Path(path)
   rows = []
   for lineno, line in enumerate(_read_text(path).splitlines(), 1):
@@ -277,7 +295,9 @@ def read_documents(path: str | pathlib.Path, *, text_column: str = "text") -> li
       row = json.loads(line)
     except json.JSONDecodeError as e:
       raise DataError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-    if not isinstance(row, dict) or not isinstance(row.get(text_column), str):
+    if words and isinstance(row, dict) and text_column in row:
+      _check_words(row[text_column], f"{path}:{lineno}: ", text_column)
+    elif not isinstance(row, dict) or not isinstance(row.get(text_column), str):
       raise DataError(f"{path}:{lineno}: each line must be a JSON object with a string field {text_column!r}")
     rows.append(row)
   if not rows:
@@ -285,15 +305,18 @@ def read_documents(path: str | pathlib.Path, *, text_column: str = "text") -> li
   return rows
 
 
-def _raw(path: pathlib.Path, text_column: str, label_column: str):
+def _raw(path: pathlib.Path, text_column: str, label_column: str, words: bool = False):
   if path.is_dir():
     return _read_class_folders(path)
   kind = FILE_FORMATS.get(path.suffix.lower())
   if kind is None:
     raise DataError(f"{path}: unknown format {path.suffix!r}; expected one of {sorted(FILE_FORMATS)} "
                     "or a folder of <label>/*.txt")
+  if words and kind != "jsonl":
+    raise DataError(f"{path}: token classification data is JSONL (a list of words and a list of tags per "
+                    "line); CSV/TSV cells cannot hold them")
   if kind == "jsonl":
-    return _read_jsonl(path, text_column, label_column)
+    return _read_jsonl(path, text_column, label_column, words)
   return _read_delimited(path, "," if kind == "csv" else "\t", text_column, label_column)
 
 
@@ -391,8 +414,10 @@ def read(path: str | pathlib.Path, *, split: str = "train", label_vocab=None, te
                     f"{label_kind!r} labels need a JSONL, CSV or TSV file")
   vocab = as_vocab(label_vocab)
   jsonl = FILE_FORMATS.get(source.suffix.lower()) == "jsonl"
-  raw = list(_raw(source, text_column, label_column))
+  raw = list(_raw(source, text_column, label_column, words=label_kind == "tags"))
   common = dict(source=str(source), split=split, label_kind=label_kind)
+  if label_kind == "tags":
+    return _tagged(raw, root, source, split, vocab, text_column, label_column, unseen_labels, common)
   if label_kind == "values":
     items, count = [], None
     for text, label, where in raw:
@@ -434,4 +459,45 @@ def read(path: str | pathlib.Path, *, split: str = "train", label_vocab=None, te
         items.append({"text": text, "label": ids[0]})
     else:
       items.append({"text": text, "label": tuple(sorted(set(ids)))})
+  return Records(items, vocab=vocab, unseen=unseen, **common)
+
+
+def _tag_names(tags, words: tuple, where: str, label_column: str) -> list[str]:
+  if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+    raise DataError(f"{where}field {label_column!r} must be a list of tags (strings), one per word; got "
+                    f"{type(tags).__name__} {tags!r:.60}")
+  if len(tags) != len(words):
+    raise DataError(f"{where}field {label_column!r} has {len(tags)} tags but the document has {len(words)} "
+                    "words; give one tag per word")
+  for i, tag in enumerate(tags):
+    if tag != "O" and not (tag[:2] in ("B-", "I-") and len(tag) > 2):
+      raise DataError(f"{where}field {label_column!r}: tag {i} is {tag!r}; tags are 'O' or 'B-'/'I-' and a "
+                      "type (IOB1 or IOB2, e.g. 'B-PER')")
+  return tags
+
+
+def _tagged(raw, root, source, split, vocab, text_column, label_column, unseen_labels, common) -> Records:
+  """Records of token-classification data: ("tags" kind; read's arguments)."""
+  rows = [(words, _tag_names(tags, words, where, label_column), where) for words, tags, where in raw]
+  if vocab is None:
+    if split == "train":
+      vocab = LabelVocab.build({"O"} | {t for _, tags, _ in rows for t in tags})
+    elif root.is_dir() and source != root:
+      vocab = read(root, split="train", text_column=text_column, label_column=label_column,
+                   label_kind="tags").vocab
+    else:
+      raise DataError(f"{source}: split {split!r} needs the training tag vocabulary; pass label_vocab= "
+                      "(a LabelVocab, or the path LabelVocab.save wrote)")
+  items, unseen = [], {}
+  for words, tags, where in rows:
+    ids = []
+    for tag in tags:
+      if tag in vocab._ids:
+        ids.append(vocab._ids[tag])
+      elif unseen_labels == "ignore" and "O" in vocab._ids:  # read as outside any entity
+        unseen[tag] = unseen.get(tag, 0) + 1
+        ids.append(vocab._ids["O"])
+      else:
+        vocab.index(tag, where=f"{where}field {label_column!r}: ")
+    items.append({"text": words, "label": tuple(ids)})
   return Records(items, vocab=vocab, unseen=unseen, **common)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pathlib
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import tokenizers
@@ -18,6 +19,18 @@ from flash_layers.data.readers import DataError
 from flash_layers.models import assets
 
 LONG_DOCS = ("truncate", "windows")
+
+
+class WordWindow(NamedTuple):
+  """One window of a pre-split document (`TextTokenizer.encode_words`), int32 arrays of its tokens:
+  ids; first_word: w where the token is word w's first piece, else -1 (specials, later pieces, and
+  a word's pieces cut off from its first by the window's start); central_word: w where the token is
+  word w's first piece and this window is the one where that piece is most central (the window a
+  word is predicted from: each word in exactly one window), else -1."""
+
+  ids: np.ndarray
+  first_word: np.ndarray
+  central_word: np.ndarray
 
 
 def listops_tokenizer() -> tokenizers.Tokenizer:
@@ -87,6 +100,62 @@ class TextTokenizer:
     for enc in self.tokenizer.encode_batch(list(texts)):
       windows = [enc] + (list(enc.overflowing) if self.long_docs == "windows" else [])
       out.append([np.asarray(w.ids, dtype=np.int32) for w in windows])
+    return out
+
+  def _specials(self) -> tuple[list[int], list[int]]:
+    """The template's special tokens before and after a single text ([CLS], [SEP] for BERT)."""
+    enc = self.tokenizer.encode(["x"], is_pretokenized=True)
+    inside = enc.word_ids.index(0)
+    return enc.ids[:inside], enc.ids[inside + 1:]
+
+  def encode_words(self, documents: Sequence[Sequence[str]]) -> list[list[WordWindow]]:
+    """For each pre-split document (a list of words), its windows of at most max_len tokens (one
+    with "truncate"; with "windows", as many as cover it, consecutive ones sharing `stride` tokens),
+    each framed by the template's specials, with every word's first piece located (`WordWindow`).
+    A word the tokenizer turns into no piece, or one past a truncated window, is in no window."""
+    if not hasattr(self, "_whole"):  # the same tokenizer without truncation: windows are cut here
+      self._whole = tokenizers.Tokenizer.from_str(self.tokenizer.to_str())
+      self._whole.no_truncation()
+      self._frame = self._specials()
+    before, after = self._frame
+    room = self.max_len - len(before) - len(after)
+    step = room - self.stride if self.long_docs == "windows" else room
+    out = []
+    encodings = self._whole.encode_batch([list(d) for d in documents], is_pretokenized=True,
+                                         add_special_tokens=False)
+    for enc in encodings:
+      ids = np.asarray(enc.ids, np.int32)
+      word_of = np.asarray([-1 if w is None else w for w in enc.word_ids], np.int64)
+      first = np.full(len(ids), -1, np.int64)
+      seen = set()
+      for i, w in enumerate(word_of):
+        if w >= 0 and w not in seen:
+          seen.add(w)
+          first[i] = w
+      starts = [0]
+      if self.long_docs == "windows":
+        while starts[-1] + room < len(ids):
+          starts.append(starts[-1] + step)
+      # The window where each first piece is most central: the largest distance to the nearer edge.
+      centre = np.full(len(ids), -1)
+      best = np.full(len(ids), -1)
+      for k, a in enumerate(starts):
+        b = min(a + room, len(ids))
+        index = np.arange(a, b)
+        margin = np.minimum(index - a, b - 1 - index)
+        better = margin > best[a:b]
+        best[a:b] = np.where(better, margin, best[a:b])
+        centre[a:b] = np.where(better, k, centre[a:b])
+      windows = []
+      for k, a in enumerate(starts):
+        b = min(a + room, len(ids))
+        frame = lambda x, fill: np.concatenate([np.full(len(before), fill), x, np.full(len(after), fill)])
+        piece_first = first[a:b]
+        windows.append(WordWindow(
+            ids=np.concatenate([before, ids[a:b], after]).astype(np.int32),
+            first_word=frame(piece_first, -1).astype(np.int32),
+            central_word=frame(np.where(centre[a:b] == k, piece_first, -1), -1).astype(np.int32)))
+      out.append(windows)
     return out
 
   def pad(self, windows: Sequence[np.ndarray], length: int | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -149,8 +149,9 @@ class Encoder(nn.Module):
   """The heads' entry points every encoder family shares.
 
   A subclass provides `encode(input_ids, segment_ids, positions, token_type_ids, deterministic)`,
-  `pool(hidden, segment_ids, max_docs)`, `mlm_hidden(hidden)`, the submodules `dropout` and
-  `classifier`, and the fields `num_labels` and `mlm_head`.
+  `pool(hidden, segment_ids, max_docs)`, `token_head(hidden)` (what its family runs on each token
+  before a token classifier), `mlm_hidden(hidden)`, the submodules `dropout` and `classifier`, and the
+  fields `num_labels` and `mlm_head`.
   """
 
   def classify(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
@@ -169,6 +170,22 @@ class Encoder(nn.Module):
     """`classify` from the encoder's output (e.g. to run several heads on one encoding)."""
     pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
     return self.classifier(pooled).astype(jnp.float32)
+
+  def tag(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
+          positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
+          deterministic: bool = True) -> jax.Array:
+    """Per-token logits [batch, len, num_labels] (token classification), in the family's layout as
+    transformers' *ForTokenClassification: BERT's classifier reads the hidden states, ModernBERT's
+    reads them through its prediction head."""
+    if self.num_labels is None:
+      raise ValueError("this model has no classification head; build it with num_labels=")
+    hidden = self.encode(input_ids, segment_ids, positions, token_type_ids, deterministic)
+    return self.tag_hidden(hidden, deterministic=deterministic)
+
+  def tag_hidden(self, hidden: jax.Array, *, deterministic: bool = True) -> jax.Array:
+    """`tag` from the encoder's output."""
+    x = self.dropout(self.token_head(hidden), deterministic=deterministic)
+    return self.classifier(x).astype(jnp.float32)
 
   def mlm(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
           positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
@@ -351,6 +368,10 @@ class Bert(Encoder):
     if self.pooling == "mean":
       return pooled
     return jnp.where(present, jnp.tanh(self.pooler(pooled)), 0)
+
+  def token_head(self, hidden: jax.Array) -> jax.Array:
+    """BERT's token classifier reads the hidden states as they are."""
+    return hidden
 
   def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
     """`mlm` from the encoder's output."""

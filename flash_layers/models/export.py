@@ -57,6 +57,15 @@ _HEADS = {
     "modernbert": {"head_dense": "head.dense", "head_norm": "head.norm", "classifier": "classifier"},
 }
 _HEADS["xlm-roberta"] = _HEADS["roberta"]
+# Token classification (`export_model(..., problem_type="token_classification")`): transformers'
+# *ForTokenClassification, whose classifier is a plain linear layer on every token (ModernBERT's on
+# its prediction head), and whose BERT/RoBERTa base has no pooler (a Bert's pooler is not written).
+TOKEN_ARCHITECTURES = {"bert": "BertForTokenClassification", "roberta": "RobertaForTokenClassification",
+                       "xlm-roberta": "XLMRobertaForTokenClassification",
+                       "modernbert": "ModernBertForTokenClassification"}
+_TOKEN_HEADS = {"bert": {"classifier": "classifier"}, "roberta": {"classifier": "classifier"},
+                "xlm-roberta": {"classifier": "classifier"}, "modernbert": _HEADS["modernbert"]}
+TOKEN_CLASSIFICATION = "token_classification"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _COPIED_VOCAB = ("vocab.txt", "vocab.json", "merges.txt")  # slow-tokenizer files, copied when present
 # Special tokens by role, in BERT's and RoBERTa's spellings, for a tokenizer with no tokenizer_config.
@@ -81,9 +90,9 @@ def model_type_of(model: Bert | ModernBert, source_model_type: str | None = None
   return source_model_type if source_model_type in ("roberta", "xlm-roberta") else "roberta"
 
 
-def check_exportable(model: Bert | ModernBert, model_type: str) -> None:
+def check_exportable(model: Bert | ModernBert, model_type: str, *, tokens: bool = False) -> None:
   """ExportError (a ValueError) naming the field unless transformers' class for `model_type` computes
-  what `model` does."""
+  what `model` does (`tokens`: its *ForTokenClassification, which pools nothing)."""
   if model_type not in MODEL_TYPES:
     raise ExportError(f"model_type must be one of {MODEL_TYPES}; got {model_type!r}")
   if model.num_labels is None:
@@ -98,7 +107,7 @@ def check_exportable(model: Bert | ModernBert, model_type: str) -> None:
   if (model_type == "bert") != (model.position_offset == 0):
     raise ExportError(f"model_type {model_type!r} does not fit position_offset={model.position_offset} "
                      "(BERT reads positions from row 0; RoBERTa after its padding_idx)")
-  if model.pooling != "cls":
+  if model.pooling != "cls" and not tokens:
     raise ExportError(f"model.pooling={model.pooling!r} cannot be exported: transformers' "
                      f"{ARCHITECTURES[model_type]} always classifies the first token through a dense + tanh "
                      "pooler, so it would give other logits; train with model.pooling='cls' (ModernBERT "
@@ -133,21 +142,24 @@ def _leaves(params) -> dict[tuple[str, ...], np.ndarray]:
   return out
 
 
-def hf_tensors(model: Bert | ModernBert, params, model_type: str) -> dict[str, np.ndarray]:
-  """{transformers' tensor name: float32 array} of `model_type`'s *ForSequenceClassification.
+def hf_tensors(model: Bert | ModernBert, params, model_type: str, *,
+               tokens: bool = False) -> dict[str, np.ndarray]:
+  """{transformers' tensor name: float32 array} of `model_type`'s *ForSequenceClassification
+  (`tokens`: *ForTokenClassification).
 
   The masked-LM head, if the model has one, is left out: the classification class has none."""
-  check_exportable(model, model_type)
+  check_exportable(model, model_type, tokens=tokens)
   if model_type == "modernbert":
     names = hf_modernbert.tensor_names(model.num_layers, model.hidden_size, model.mlp_dim)
     encoder_prefixes = hf_modernbert.ENCODER_PREFIXES
   else:
     names = {p: (n, None) for p, n in hf_bert.tensor_names(model.num_layers, model_type).items()}
     encoder_prefixes = hf_bert.ENCODER_PREFIXES
-  heads = _HEADS[model_type]
+  heads = (_TOKEN_HEADS if tokens else _HEADS)[model_type]
+  architecture = (TOKEN_ARCHITECTURES if tokens else ARCHITECTURES)[model_type]
   pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
   for path, value in _leaves(params).items():
-    if path[0].startswith("mlm"):
+    if path[0].startswith("mlm") or (tokens and path[0] == "pooler"):
       continue
     if path not in names:
       raise ValueError(f"param {'/'.join(path)} has no {model_type} tensor name")
@@ -157,7 +169,7 @@ def hf_tensors(model: Bert | ModernBert, params, model_type: str) -> dict[str, n
     elif name.startswith(encoder_prefixes):
       name = _BASE_PREFIX[model_type] + name
     else:
-      raise ValueError(f"param {'/'.join(path)} ({name}) has no place in {ARCHITECTURES[model_type]}")
+      raise ValueError(f"param {'/'.join(path)} ({name}) has no place in {architecture}")
     pieces.setdefault(name, []).append((0 if rows is None else rows[0], _to_torch(path, value)))
   # Fused tensors (ModernBERT's Wqkv, the GeGLU's Wi) from their parts, in row order.
   return {name: np.ascontiguousarray(np.concatenate([v for _, v in sorted(parts, key=lambda p: p[0])])
@@ -173,7 +185,8 @@ def _labels(label_names: Sequence, num_labels: int) -> tuple[dict, dict]:
   return {str(i): n for i, n in enumerate(names)}, {n: i for i, n in enumerate(names)}
 
 
-PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression")
+PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression",
+                 TOKEN_CLASSIFICATION)
 
 
 def fold_standardization(params, mean: Sequence[float], std: Sequence[float]):
@@ -190,7 +203,8 @@ def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
               thresholds: Sequence[float] | None = None) -> dict[str, Any]:
   """config.json for `model_type`'s *ForSequenceClassification, every field our importer reads
   (flash_layers.models.hf_bert / hf_modernbert) and transformers' class honours."""
-  check_exportable(model, model_type)
+  tokens = problem_type == TOKEN_CLASSIFICATION
+  check_exportable(model, model_type, tokens=tokens)
   if problem_type not in PROBLEM_TYPES:
     raise ExportError(f"problem_type must be one of {PROBLEM_TYPES}; got {problem_type!r}")
   id2label, label2id = _labels(label_names, model.num_labels)
@@ -201,9 +215,12 @@ def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
       raise ExportError(f"thresholds: one per label, for problem_type 'multi_label_classification' only; "
                         f"got {len(thresholds)} for {problem_type!r} with {model.num_labels} labels")
     task_fields["thresholds"] = [float(t) for t in thresholds]
-  common = {"architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "id2label": id2label,
+  if not tokens:
+    task_fields["problem_type"] = problem_type  # transformers has none for token classification
+  architecture = (TOKEN_ARCHITECTURES if tokens else ARCHITECTURES)[model_type]
+  common = {"architectures": [architecture], "model_type": model_type, "id2label": id2label,
             "label2id": label2id, "num_labels": model.num_labels,
-            "problem_type": problem_type, **task_fields, "dtype": "float32",
+            **task_fields, "dtype": "float32",
             "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
             "intermediate_size": model.mlp_dim, "initializer_range": model.initializer_range,
@@ -310,16 +327,18 @@ def export_model(model: Bert | ModernBert, params, out_dir: str | pathlib.Path, 
       (config.model.max_len; the model may take more: a pretrained position table is never cut);
       None = the model's max_len.
     problem_type: transformers' ("single_label_classification", "multi_label_classification",
-      "regression"); thresholds: multi-label decision thresholds, one per label, written to config.json.
+      "regression"), or "token_classification" for its *ForTokenClassification;
+    thresholds: multi-label decision thresholds, one per label, written to config.json.
     standardization: (mean, std) per regression target, folded into the classifier (module doc).
   """
   model_type = model_type or model_type_of(model)
-  check_exportable(model, model_type)
+  tokens = problem_type == TOKEN_CLASSIFICATION
+  check_exportable(model, model_type, tokens=tokens)
   if standardization is not None:
     if problem_type != "regression":
       raise ExportError(f"standardization is for problem_type 'regression'; got {problem_type!r}")
     params = fold_standardization(params, *standardization)
-  tensors = hf_tensors(model, params, model_type)
+  tensors = hf_tensors(model, params, model_type, tokens=tokens)
   out = pathlib.Path(out_dir)
   if (out / "config.json").exists():
     raise FileExistsError(f"{out} already holds an export (config.json); choose another directory")

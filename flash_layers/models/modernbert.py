@@ -273,6 +273,10 @@ class ModernBert(Encoder):
     pooled, present = pool_documents(hidden, segment_ids, max_docs, self.pooling)
     return jnp.where(present, self._head(pooled), 0)
 
+  def token_head(self, hidden: jax.Array) -> jax.Array:
+    """ModernBERT's token classifier reads each token through the prediction head (dense, act, norm)."""
+    return self._head(hidden)
+
   def mlm_hidden(self, hidden: jax.Array) -> jax.Array:
     """`mlm` from the encoder's output."""
     logits = self.tok_embeddings.attend(self._head(hidden))

@@ -31,8 +31,9 @@ def default_config() -> ml_collections.ConfigDict:
   c.seed = 0
 
   # What the model learns (training/objectives.py): "classification" (one class per document),
-  # "multi_label_classification" (a set of classes per document, possibly empty) or "regression"
-  # (one number per document, or several: model.num_labels outputs).
+  # "multi_label_classification" (a set of classes per document, possibly empty), "regression"
+  # (one number per document, or several: model.num_labels outputs) or "token_classification"
+  # (a tag per word: data.tokens_field, data.tags_field).
   c.task = "classification"
 
   c.model = m = ml_collections.ConfigDict()
@@ -86,15 +87,19 @@ def default_config() -> ml_collections.ConfigDict:
 
   c.data = d = ml_collections.ConfigDict()
   # "bbc_news", "listops" (classification), "bbc_news_regions" (multi-label), "bbc_news_quotes"
-  # (regression: data.bbc), or a path: a JSONL/CSV/TSV file, a folder with one
-  # sub-folder of .txt files per class, or a directory holding train/dev/test as
-  # such files or folders (flash_layers.data.load).
+  # (regression), "bbc_news_places" (token classification: data.bbc), or a path: a JSONL/CSV/TSV
+  # file, a folder with one sub-folder of .txt files per class, or a directory holding
+  # train/dev/test as such files or folders (flash_layers.data.load).
   d.dataset = "bbc_news"
   # Without a dev split on disk, this fraction of train (seeded) becomes dev.
   d.dev_fraction = 0.1
   # The split eval.py scores ("test", or "dev" when there is no test split).
   d.eval_split = "test"
   d.text_field = "text"
+  # Token classification: the fields holding a document's words (a list of strings) and their tags
+  # (one per word: "O", "B-TYPE", "I-TYPE").
+  d.tokens_field = "tokens"
+  d.tags_field = "tags"
   # The label: a class (classification); a JSONL list of classes, or ";"-separated classes in
   # CSV/TSV, possibly empty (multi-label); a number or a list of numbers (regression).
   d.label_field = "label"
@@ -212,7 +217,8 @@ def default_config() -> ml_collections.ConfigDict:
 
 # The built-in datasets and the task each one's labels are for.
 BUILTIN_TASKS = {"bbc_news": "classification", "listops": "classification",
-                 "bbc_news_regions": "multi_label_classification", "bbc_news_quotes": "regression"}
+                 "bbc_news_regions": "multi_label_classification", "bbc_news_quotes": "regression",
+                 "bbc_news_places": "token_classification"}
 BUILTIN_DATASETS = tuple(BUILTIN_TASKS)
 
 

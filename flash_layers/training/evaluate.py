@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable
 
 import jax
 import ml_collections
@@ -37,6 +37,8 @@ from flash_layers.training.distributed import log_job_info, setup_logging
 from flash_layers.training.objectives import Objective
 
 log = logging.getLogger("flash_layers.training")
+# Batch entries that stay on the host: which document (data.eval_plan) or word a slot or token is.
+HOST_KEYS = ("doc_ids", "word_ids")
 
 
 def _global(x) -> np.ndarray:
@@ -44,7 +46,7 @@ def _global(x) -> np.ndarray:
   return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh: Mesh, *,
+def evaluate(eval_step, params, batches: Iterable[dict], num_batches: int, mesh: Mesh, *,
              objective: Objective, aggregation: str = "mean", keep_logits: bool = False,
              tune: bool = False) -> dict:
   """The objective's loss and metrics over the documents of `num_batches` batches.
@@ -56,6 +58,8 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh:
   last batch with no documents in it. With `tune` the objective's head is first tuned on these
   documents (`Objective.tune`); the result's "objective" is the one that scored them.
   """
+  plan = batches if isinstance(batches, eval_plan.TokenBatches) else None
+  batches = iter(batches)
   slot_logits, slot_docs, slot_labels = [], [], []
   shardings: dict = {}
   last, next_doc = None, 0
@@ -63,15 +67,21 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh:
     batch = next(batches, None)
     if batch is None:
       batch = dict(last)
-      slots = np.shape(last["labels"])[:2]
-      batch["labels"] = objective.label_spec.empty(*slots)
-      batch["doc_ids"] = np.full(slots, -1, np.int32)
+      batch["labels"] = objective.label_spec.empty(*np.shape(last["labels"])[:2])
+      batch["doc_ids"] = np.full(np.shape(last["doc_ids"]), -1, np.int32)
+      if "word_ids" in last:
+        batch["word_ids"] = np.full(np.shape(last["word_ids"]), -1, np.int32)
     last = batch
-    device_batch = {k: v for k, v in batch.items() if k != "doc_ids"}
+    device_batch = {k: v for k, v in batch.items() if k not in HOST_KEYS}
     shape = tuple(np.shape(device_batch["input_ids"]))
     if shape not in shardings:  # one per bucket length; the length axis goes over `sequence`
       shardings[shape] = sharding_lib.batch_shardings(device_batch, mesh, shape[1])
     out = eval_step(params, sharding_lib.to_global(device_batch, shardings[shape]))
+    if objective.per_token:  # a word's logits from the one token it is scored at
+      word_ids = _global(np.asarray(batch["word_ids"])).reshape(-1)
+      slot_logits.append(_global(out["logits"]).reshape(-1, objective.num_outputs)[word_ids >= 0])
+      slot_docs.append(word_ids[word_ids >= 0])
+      continue
     label_shape = objective.label_spec.shape
     labels = _global(np.asarray(batch["labels"])).reshape(-1, *label_shape)
     if "doc_ids" in batch:
@@ -85,6 +95,8 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh:
     slot_docs.append(docs)
     slot_labels.append(labels)
   num_outputs = objective.num_outputs
+  if objective.per_token:
+    return _score_words(objective, plan, slot_logits, slot_docs, keep_logits)
   logits = np.concatenate(slot_logits) if slot_logits else np.zeros((0, num_outputs))
   docs = np.concatenate(slot_docs) if slot_docs else np.zeros((0,), np.int64)
   labels = (np.concatenate(slot_labels) if slot_labels
@@ -101,6 +113,25 @@ def evaluate(eval_step, params, batches: Iterator[dict], num_batches: int, mesh:
   if keep_logits:
     result["doc_ids"] = np.flatnonzero(seen)
     result["logits"] = doc_logits[seen]
+  return result
+
+
+def _score_words(objective, plan, word_logits: list, word_ids: list, keep_logits: bool) -> dict:
+  """Token classification: every word of the plan's documents, scored or predicted once."""
+  if plan is None:
+    raise ValueError("token classification evaluates data.eval_plan.TokenBatches (they know the documents)")
+  total = int(sum(plan.doc_words))
+  logits = np.zeros((total, objective.num_outputs))
+  seen = np.zeros(total, bool)
+  if word_ids:
+    ids = np.concatenate(word_ids)
+    logits[ids] = np.concatenate(word_logits)
+    seen[ids] = True
+  result = {"count": len(plan.doc_words), "num_windows": int(seen.sum()), "objective": objective}
+  if plan.doc_tags is not None:
+    result.update(objective.score_words(logits, seen, plan.doc_words, plan.doc_tags))
+  if keep_logits:
+    result["predictions"] = objective.predict_words(logits, seen, plan.doc_words)
   return result
 
 
@@ -143,7 +174,8 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
   if checkpoint not in ("latest", "best") and not str(checkpoint).isdigit():
     raise UserError(f"--checkpoint must be 'latest', 'best' or a step number; got {checkpoint!r}")
   which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
-  documents = data_lib.read_documents(predict, text_column=config.data.text_field) if predict else None
+  documents = data_lib.read_documents(predict, text_column=task_lib.text_field(config),
+                                      words=config.task == "token_classification") if predict else None
   checkpoint_lib.check_restorable(workdir, which)
   log_job_info()
   mesh = sharding_lib.mesh_from_config(config)
@@ -189,17 +221,22 @@ def predict_documents(config, task: task_lib.Task, objective: Objective, params,
   """One prediction per document (`data.read_documents` rows), as JSONL, batched as evaluation is
   (data.eval_plan); with data.long_documents="windows" a long document's window logits are combined.
   The fields are the objective's (`Objective.predict`), at the checkpoint's thresholds."""
-  batches = task.predict_batches([r[config.data.text_field] for r in rows])
-  result = evaluate(eval_step, params, iter(batches), len(batches), mesh, objective=objective,
+  text_field = task_lib.text_field(config)
+  batches = task.predict_batches([r[text_field] for r in rows])
+  result = evaluate(eval_step, params, batches, len(batches), mesh, objective=objective,
                     aggregation=config.data.window_aggregation, keep_logits=True)
-  if sorted(result["doc_ids"].tolist()) != list(range(len(rows))):
-    raise AssertionError(f"predicted {len(result['doc_ids'])} of {len(rows)} documents")
-  predictions = objective.predict(result["logits"][np.argsort(result["doc_ids"])])
+  if objective.per_token:
+    predictions = result["predictions"]
+  else:
+    if sorted(result["doc_ids"].tolist()) != list(range(len(rows))):
+      raise AssertionError(f"predicted {len(result['doc_ids'])} of {len(rows)} documents")
+    predictions = objective.predict(result["logits"][np.argsort(result["doc_ids"])])
   if jax.process_index() != 0:
     return
   with open(out_path, "w", encoding="utf-8") as f:
     for index, (row, predicted) in enumerate(zip(rows, predictions, strict=True)):
-      record = {k: v for k, v in row.items() if k != config.data.text_field}
+      # The input's other fields come back with the prediction (a token task's words too).
+      record = {k: v for k, v in row.items() if k != config.data.text_field or objective.per_token}
       record.update(index=index, **predicted)
       f.write(json.dumps(record) + "\n")
   log.info("wrote %d predictions to %s", len(rows), out_path)

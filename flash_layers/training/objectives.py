@@ -13,6 +13,11 @@ One `Objective` per task. The loop, evaluation, prediction and export ask it and
     a slot: float targets [K], NaN = none
     loss: squared error, the mean over the K targets
     metrics: mse, mae, pearson, spearman (per target, then averaged)
+  token_classification
+    labels per token ([batch, length]): a word's tag id at its first piece, -1 elsewhere
+    loss: softmax cross-entropy over the tagged tokens
+    metrics: entity_f1, entity_precision, entity_recall (seqeval's default chunking), the same with
+    _strict (seqeval's strict IOB2), token_accuracy; over words, each predicted once
 
 The model's logits are [batch, max_docs, C] (C = classes, labels or targets); a document is the
 mean (or max) of its windows' logits (data.eval_plan.aggregate_logits) before it is scored.
@@ -40,17 +45,20 @@ from flash_layers.data.readers import LabelSpec
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import task_metrics
 
-TASKS = ("classification", "multi_label_classification", "regression")
+TASKS = ("classification", "multi_label_classification", "regression", "token_classification")
 # Which reader label kind each task reads (data.readers.LABEL_KINDS).
-LABEL_KINDS = {"classification": "single", "multi_label_classification": "multi", "regression": "values"}
-# transformers' config.problem_type for each task (export writes it).
+LABEL_KINDS = {"classification": "single", "multi_label_classification": "multi", "regression": "values",
+               "token_classification": "tags"}
+# transformers' config.problem_type for each task (export writes it; token classification has none).
 PROBLEM_TYPES = {"classification": "single_label_classification",
-                 "multi_label_classification": "multi_label_classification", "regression": "regression"}
+                 "multi_label_classification": "multi_label_classification", "regression": "regression",
+                 "token_classification": None}
 # Dev metrics a best checkpoint may be chosen by, the task's default first.
 BEST_METRICS = {"classification": ("accuracy", "macro_f1", "loss"),
                 "multi_label_classification": ("micro_f1", "macro_f1", "samples_f1", "mean_average_precision",
                                                "loss"),
-                "regression": ("mse", "mae", "pearson", "spearman", "loss")}
+                "regression": ("mse", "mae", "pearson", "spearman", "loss"),
+                "token_classification": ("entity_f1", "entity_f1_strict", "token_accuracy", "loss")}
 LOWER_IS_BETTER = frozenset({"loss", "mse", "mae"})
 THRESHOLD_MODES = ("tune", "tune_per_label")
 
@@ -82,6 +90,10 @@ class Objective:
   @property
   def problem_type(self) -> str:
     return PROBLEM_TYPES[self.task]
+
+  @property
+  def per_token(self) -> bool:
+    return self.label_spec.per_token
 
   @property
   def headline(self) -> tuple[str, ...]:
@@ -310,6 +322,51 @@ class Regression(Objective):
             for v in values]
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenClassification(Objective):
+  """A tag per word, from its first word-piece; evaluation scores each word once (data.eval_plan)."""
+
+  def weights(self, labels):
+    return (labels >= 0).astype(jnp.float32)
+
+  def loss_sums(self, logits, labels):
+    weights = self.weights(labels)
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(labels, 0))
+    correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32) * weights
+    return {"loss_sum": jnp.sum(losses * weights), "count": jnp.sum(weights),
+            "stats": {"correct": jnp.sum(correct), "tokens": jnp.sum(weights)}}
+
+  def window_summary(self, stats):
+    return {"token_accuracy": float(np.sum(stats["correct"])) / max(float(np.sum(stats["tokens"])), 1.0)}
+
+  def predicted_tags(self, word_logits: np.ndarray, seen: np.ndarray) -> np.ndarray:
+    """Tag ids [W]: the argmax where a word was scored, "O" where it was in no window."""
+    outside = self.names.index("O") if "O" in self.names else 0
+    return np.where(seen, np.argmax(word_logits, axis=-1) if len(word_logits) else outside, outside)
+
+  def _split(self, flat: np.ndarray, doc_words: Sequence[int]) -> list[list[str]]:
+    bounds = np.cumsum([0, *doc_words])
+    return [[self.names[t] for t in flat[a:b]] for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+
+  def score_words(self, word_logits: np.ndarray, seen: np.ndarray, doc_words: Sequence[int],
+                  doc_tags: Sequence[np.ndarray]) -> dict:
+    """Metrics over every word of the documents; `word_logits` [W, L] where `seen`."""
+    gold = np.concatenate([np.asarray(t, np.int64) for t in doc_tags]) if doc_tags else np.zeros(0, np.int64)
+    log_probs = _log_softmax(np.asarray(word_logits[seen], np.float64))
+    loss = float(-log_probs[np.arange(len(log_probs)), gold[seen]].mean()) if len(log_probs) else float("nan")
+    predicted, golden = (self._split(x, doc_words) for x in (self.predicted_tags(word_logits, seen), gold))
+    lenient = task_metrics.entity_scores(golden, predicted, "default")
+    strict = task_metrics.entity_scores(golden, predicted, "strict")
+    return {"loss": loss, "entity_f1": lenient["f1"], "entity_precision": lenient["precision"],
+            "entity_recall": lenient["recall"], "entity_f1_strict": strict["f1"],
+            "entity_precision_strict": strict["precision"], "entity_recall_strict": strict["recall"],
+            "token_accuracy": lenient["token_accuracy"], "words_scored": int(seen.sum())}
+
+  def predict_words(self, word_logits: np.ndarray, seen: np.ndarray, doc_words: Sequence[int]) -> list[dict]:
+    return [{"tags": tags} for tags in self._split(self.predicted_tags(word_logits, seen), doc_words)]
+
+
 def build(task: str, names: Sequence, *, label_smoothing: float = 0.0, threshold: float | str = 0.5,
           train_targets: np.ndarray | None = None, standardize: bool = False) -> Objective:
   """The objective of `task` over `names` (classes, labels or targets)."""
@@ -321,6 +378,8 @@ def build(task: str, names: Sequence, *, label_smoothing: float = 0.0, threshold
   if task == "regression":
     targets = np.zeros((0, len(names))) if train_targets is None else train_targets
     return Regression.from_targets(names, targets, standardize)
+  if task == "token_classification":
+    return TokenClassification(task, names)
   raise ValueError(f"task must be one of {TASKS}; got {task!r}")
 
 

@@ -38,7 +38,8 @@ class Task:
   pretrained_params: Any | None  # host arrays replacing the initial params, or None
   label_names: list
   train_batches: Iterator[dict]  # endless, this process's rows; has get_state()/set_state()
-  # (split, max_batches=None) -> (this process's batches, steps); each document once (data.eval_plan)
+  # (split, max_batches=None) -> (this process's batches, steps); each document once (data.eval_plan:
+  # a list, or for token classification its TokenBatches, which also know each document's words)
   eval_batches: Callable[..., tuple[Iterator[dict], int]]
   predict_batches: Callable[[list[str]], list[dict]]  # texts -> this process's batches (labels -1)
   seq_len: int
@@ -84,7 +85,7 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Record
   if d.dataset in data_lib.bbc.DERIVED:
     return data_lib.load(d.dataset, split=split)
   root = pathlib.Path(d.dataset)
-  columns = {"text_column": d.text_field, "label_column": d.label_field,
+  columns = {"text_column": text_field(config), "label_column": label_field(config),
              "label_kind": objectives.LABEL_KINDS[config.task], "unseen_labels": d.unseen_labels}
   if split == "test" or _has_split(root, "dev"):
     if split != "train" and not _has_split(root, split):
@@ -98,6 +99,15 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Record
   chosen = sorted(order[:num_dev]) if split == "dev" else sorted(order[num_dev:])
   return data_lib.Records([train[i] for i in chosen], vocab=train.vocab, source=train.source, split=split,
                           label_kind=train.label_kind)
+
+
+def text_field(config: ml_collections.ConfigDict) -> str:
+  """The field holding a document: its text, or (token classification) its words."""
+  return config.data.tokens_field if config.task == "token_classification" else config.data.text_field
+
+
+def label_field(config: ml_collections.ConfigDict) -> str:
+  return config.data.tags_field if config.task == "token_classification" else config.data.label_field
 
 
 def tokenizer_path(config: ml_collections.ConfigDict) -> str:
@@ -196,13 +206,16 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   return model, None
 
 
-def make_logits_fn(model: models.Bert):
-  """Called under sharding.sharding_context (the mesh and logical rules are set by the caller)."""
+def make_logits_fn(model: models.Bert, *, per_token: bool = False):
+  """Called under sharding.sharding_context (the mesh and logical rules are set by the caller).
+  Logits per document slot [batch, docs, C], or with `per_token` per token [batch, length, C]."""
   def logits_fn(params, batch, *, train: bool, rng):
     rngs = {"dropout": rng} if train else {}
-    return model.apply({"params": params}, batch["input_ids"], batch["segment_ids"], batch["positions"],
-                       max_docs=batch["labels"].shape[1], deterministic=not train, rngs=rngs,
-                       method=model.classify)
+    args = (batch["input_ids"], batch["segment_ids"], batch["positions"])
+    if per_token:
+      return model.apply({"params": params}, *args, deterministic=not train, rngs=rngs, method=model.tag)
+    return model.apply({"params": params}, *args, max_docs=batch["labels"].shape[1], deterministic=not train,
+                       rngs=rngs, method=model.classify)
   return logits_fn
 
 
@@ -264,12 +277,13 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
     batches = planned_eval_batches(config, [split_records[i]["text"] for i in chosen],
                                    [split_records[i]["label"] for i in chosen], tokenizer, mesh,
                                    objective.label_spec)
-    return iter(batches), len(batches)
+    return batches, len(batches)
 
   def predict_batches(texts: list[str]) -> list[dict]:
     return planned_eval_batches(config, texts, None, tokenizer, mesh, objective.label_spec)
 
-  return Task(logits_fn=make_logits_fn(model), init_params=init_params, pretrained_params=pretrained,
+  return Task(logits_fn=make_logits_fn(model, per_token=objective.per_token), init_params=init_params,
+              pretrained_params=pretrained,
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
               predict_batches=predict_batches,
               seq_len=seq_len, model=model, objective=objective)
