@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 import random
+import shutil
 import subprocess
 import sys
 
@@ -26,6 +27,7 @@ from test_training import FILLER, TOPICS, _env
 from flash_layers import data as data_lib
 from flash_layers import export, models
 from flash_layers.data import bbc
+from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import evaluate as evaluate_lib
 from flash_layers.training import loop, objectives, task_metrics
@@ -581,3 +583,143 @@ def test_token_classification_trains_evaluates_predicts_and_exports(token_run, t
   ours = run["model"].clone(impl="reference").apply({"params": run["params"]}, ids, seg, method="tag")
   theirs = reloaded.apply({"params": params}, ids, seg, method="tag")
   np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------
+# Masked-LM continued pretraining
+# ----------------------------------------------------------------------------
+
+def _mlm_batch(rows=4, length=40, seed=0):
+  """Rows of two packed documents each: [CLS] pieces [SEP], padding after; every third piece continues
+  the word before it."""
+  rng = np.random.default_rng(seed)
+  ids = rng.integers(1000, 2000, (rows, length)).astype(np.int32)
+  starts = np.broadcast_to((np.arange(length) % 3 != 2).astype(np.int32), (rows, length))
+  table = np.stack([ids, starts], -1)
+  seg = np.zeros((rows, length), np.int32)
+  pos = np.zeros((rows, length), np.int32)
+  for r in range(rows):
+    a, b = 12 + r, 30 + r  # two documents, then padding
+    seg[r, :a], seg[r, a:b] = 1, 2
+    pos[r, :a], pos[r, a:b] = np.arange(a), np.arange(b - a)
+    for start, end in ((0, a), (a, b)):
+      ids[r, start], ids[r, end - 1] = 101, 102  # specials
+      table[r, start, 0], table[r, end - 1, 0] = -1, -1
+    ids[r, b:], table[r, b:, 0] = 0, -1
+  table[..., 1] *= table[..., 0] >= 0
+  return {"input_ids": ids, "segment_ids": seg, "positions": pos, "labels": table}
+
+
+@pytest.mark.parametrize("whole_word", [False, True])
+def test_masking_statistics_over_many_draws(whole_word):
+  objective = objectives.build("masked_lm", (), mlm={"vocab_size": 30522, "mask_id": 103,
+                                                      "whole_word": whole_word})
+  batch = _mlm_batch()
+  draws = 300
+  device = {k: jnp.asarray(v) for k, v in batch.items()}
+  prepare = jax.jit(jax.vmap(lambda key: objective.prepare(device, key)))
+  out = jax.device_get(prepare(jax.random.split(jax.random.key(7), draws)))
+  maskable = batch["labels"][..., 0] >= 0
+  masked = out["labels"][..., 0] >= 0
+  assert not masked[:, ~maskable].any()  # specials and padding never
+  n = draws * maskable.sum()
+  rate = masked.sum() / n
+  assert abs(rate - 0.15) < 4 * np.sqrt(0.15 * 0.85 / (n / (1.5 if whole_word else 1)))
+  given = np.broadcast_to(batch["input_ids"], masked.shape)
+  np.testing.assert_array_equal(out["labels"][..., 0][masked], given[masked])
+  ids = out["input_ids"][masked]
+  original = np.broadcast_to(batch["input_ids"], masked.shape)[masked]
+  k = masked.sum()
+  for share, observed in ((0.8, np.mean(ids == 103)), (0.1, np.mean(ids == original))):
+    assert abs(observed - share) < 4 * np.sqrt(share * (1 - share) / k), (share, observed)
+  np.testing.assert_array_equal(out["input_ids"][~masked], given[~masked])
+  if whole_word:  # a word's pieces go together: a continuation is masked exactly when its word's start is
+    starts = batch["labels"][..., 1] > 0
+    for r in range(batch["input_ids"].shape[0]):
+      for t in range(1, batch["input_ids"].shape[1]):
+        if maskable[r, t] and maskable[r, t - 1] and not starts[r, t]:
+          np.testing.assert_array_equal(masked[:, r, t], masked[:, r, t - 1])
+  # Redrawn per key, repeatable per key; the position split is where the positions say.
+  again = jax.device_get(prepare(jax.random.split(jax.random.key(7), draws)))
+  np.testing.assert_array_equal(again["input_ids"], out["input_ids"])
+  assert (masked[0] != masked[1]).any()
+  far = dict(batch, positions=batch["positions"] + 500)
+  labels = objective.prepare({k: jnp.asarray(v) for k, v in far.items()}, jax.random.key(1))["labels"]
+  labels = jax.device_get(labels)
+  np.testing.assert_array_equal(labels[..., 1], (far["positions"] >= 512).astype(np.int32))
+
+
+def test_masked_lm_loss_splits_at_position_512():
+  objective = objectives.build("masked_lm", (), mlm={"vocab_size": 7, "mask_id": 6})
+  rng = np.random.default_rng(3)
+  logits = rng.normal(0, 1, (1, 5, 7)).astype(np.float32)
+  labels = np.array([[[2, 0], [-1, 0], [4, 1], [5, 1], [0, 0]]], np.int32)
+  stats = jax.device_get(objective.loss_sums(jnp.asarray(logits), jnp.asarray(labels))["stats"])
+  log_probs = logits[0] - np.log(np.exp(logits[0].astype(np.float64)).sum(-1, keepdims=True))
+  nll = -log_probs[[0, 2, 3, 4], [2, 4, 5, 0]]
+  np.testing.assert_allclose(stats["loss"], [nll[0] + nll[3], nll[1] + nll[2]], rtol=1e-5)
+  summary = objective.summarize(stats)
+  assert summary["mlm_loss_below_512"] == pytest.approx((nll[0] + nll[3]) / 2, rel=1e-5)
+  assert summary["perplexity_from_512"] == pytest.approx(np.exp((nll[1] + nll[2]) / 2), rel=1e-5)
+  assert summary["masked_tokens"] == 4
+
+
+def _write_texts(path: pathlib.Path, n: int = 80) -> pathlib.Path:
+  rng = random.Random(8)
+  words = lambda: [rng.choice(TOPICS[rng.choice(NAMES)] + FILLER) for _ in range(rng.randint(8, 60))]
+  _lines(path, [{"text": " ".join(words())} for _ in range(n)])
+  return path
+
+
+@pytest.fixture(scope="module")
+def mlm_run(tmp_path_factory):
+  texts = _write_texts(tmp_path_factory.mktemp("texts") / "texts.jsonl")
+  workdir = tmp_path_factory.mktemp("mlm_run")
+  config = _tiny(texts, task="masked_lm", data__eval_split="dev", data__packing=True,
+                 data__max_docs_per_row=4, data__whole_word_masking=True)
+  config.train.num_steps, config.train.eval_every, config.checkpoint.every_steps = 12, 6, 6
+  loop.train_and_evaluate(config, str(workdir))
+  return config, workdir, texts
+
+
+def test_masked_lm_trains_evaluates_and_resumes_bitwise(mlm_run, tmp_path):
+  config, workdir, texts = mlm_run
+  losses = {r["step"]: r["loss"] for r in metrics_lib.read_metrics(str(workdir), "train")}
+  assert sorted(losses) == list(range(1, 13)) and all(np.isfinite(list(losses.values())))
+  dev = metrics_lib.read_metrics(str(workdir), "dev")[-1]
+  assert dev["masked_tokens"] > 0 and dev["perplexity"] == pytest.approx(np.exp(dev["mlm_loss"]), rel=1e-6)
+  assert dev["masked_tokens_from_512"] == 0  # rows of 32 tokens
+  report = evaluate_lib.evaluate_checkpoint(config, str(workdir), checkpoint="latest")
+  again = evaluate_lib.evaluate_checkpoint(config, str(workdir), checkpoint="latest")
+  assert report["mlm_loss"] == again["mlm_loss"] and report["task"] == "masked_lm"  # evaluation masks alike
+  # Resume from the step-6 checkpoint in a copy of the run: steps 7-12 repeat bit for bit (masks included).
+  copy = tmp_path / "copy"
+  shutil.copytree(workdir, copy)
+  shutil.rmtree(copy / "checkpoints" / "12")
+  shutil.rmtree(copy / "best", ignore_errors=True)
+  loop.train_and_evaluate(config, str(copy))
+  resumed = {r["step"]: r["loss"] for r in metrics_lib.read_metrics(str(copy), "train")}
+  assert resumed == losses
+  with pytest.raises(Exception, match="--predict: task 'masked_lm' predicts no labels"):
+    evaluate_lib.evaluate_checkpoint(config, str(workdir), predict=str(texts))
+
+
+def test_init_from_starts_a_task_from_a_masked_lm_run_with_its_positions_extended(mlm_run, tmp_path):
+  config, workdir, _ = mlm_run
+  _, source = checkpoint_lib.read_params(str(workdir))
+  dataset = _write_multi_label(tmp_path / "data", sizes=(16, 8, 8))
+  classify = _tiny(dataset, task="multi_label_classification", model__init_from=str(workdir),
+                   model__max_len=64)
+  from flash_layers.training import task as task_lib
+  task = task_lib.build_task(classify, None)
+  params = task.pretrained_params
+  kernel = lambda p: p["layers_1"]["mlp_in"]["kernel"]
+  np.testing.assert_array_equal(kernel(params), kernel(source))
+  table = source["position_embeddings"]["embedding"]
+  assert table.shape[0] == 32 and params["position_embeddings"]["embedding"].shape[0] == 64
+  np.testing.assert_array_equal(params["position_embeddings"]["embedding"], np.concatenate([table, table]))
+  assert "classifier" not in source and params["classifier"]["kernel"].shape == (32, 3)
+  classify.model.init_from = str(tmp_path)
+  with pytest.raises(config_lib.ConfigError,
+                     match="config.model.init_from: .* is not a training run's workdir"):
+    config_lib.validate(classify, num_devices=1)

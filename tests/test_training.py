@@ -722,7 +722,8 @@ def test_gradient_accumulation_matches_one_big_batch():
 @pytest.mark.parametrize("name,devices", [("quickstart", 1), ("listops", 1), ("long_docs", 1),
                                           ("long_docs", 8), ("modernbert_long", 8), ("tpu_pod", 64),
                                           ("tpu_multislice", 128), ("tiny", 1), ("multi_label", 1),
-                                          ("regression", 1), ("token_classification", 1)])
+                                          ("regression", 1), ("token_classification", 1),
+                                          ("continued_pretraining", 8)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:

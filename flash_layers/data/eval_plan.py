@@ -137,6 +137,17 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
   """
   if labels is not None and len(labels) != len(texts):
     raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
+  options = dict(batch_size=batch_size, max_docs_per_row=max_docs_per_row, pack=pack, buckets=buckets,
+                 row_tokens=row_tokens, row_multiple=row_multiple, process_index=process_index,
+                 process_count=process_count)
+  if label_spec.kind == "none":  # masked LM: each token's id (or -1) and word start, masked on device
+    windows, slots, doc_of = [], [], []
+    for doc, pieces in enumerate(tokenizer.encode_pieces(list(texts))):
+      for ids, table in pieces:
+        windows.append(ids)
+        slots.append(table)
+        doc_of.append(doc)
+    return _planned(windows, slots, doc_of, {}, tokenizer, label_spec, **options)
   if label_spec.per_token:
     return token_eval_batches(texts, labels, tokenizer, batch_size=batch_size,
                               max_docs_per_row=max_docs_per_row, pack=pack, buckets=buckets,

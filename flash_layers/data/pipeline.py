@@ -45,12 +45,14 @@ class _Encode:
   """Tokenize a chunk of records: -> [(window ids, label)], windows of a record in order. Token
   classification ("tags"): the label is per token, the word's tag on its first piece, else -1."""
 
-  def __init__(self, tokenizer: TextTokenizer, per_token: bool = False):
+  def __init__(self, tokenizer: TextTokenizer, kind: str = "single"):
     self.tokenizer = tokenizer
-    self.per_token = per_token
+    self.kind = kind
 
   def __call__(self, records: Sequence[dict]) -> list[Example]:
-    if self.per_token:
+    if self.kind == "none":  # masked LM: per token, the id (or -1) and whether it starts a word
+      return [w for ws in self.tokenizer.encode_pieces([r["text"] for r in records]) for w in ws]
+    if self.kind == "tags":
       windows = self.tokenizer.encode_words([r["text"] for r in records])
       return [(w.ids, token_tags(w.first_word, r["label"])) for r, ws in zip(records, windows, strict=True)
               for w in ws]
@@ -216,7 +218,7 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)[process_index::process_count]
   label_spec = getattr(records, "label_spec", SINGLE)
-  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer, label_spec.per_token))
+  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer, label_spec.kind))
   it = ds.to_iter_dataset()
   if num_workers:
     _absl_flags_parsed()

@@ -12,6 +12,8 @@ Every reader returns a `Records`: a list of {"text": str, "label": ...} whose la
   "tags"    token classification (JSONL only): the text field holds the document's words (a list
             of strings) and the label field one tag per word, "O" or B-/I- plus a type (IOB1 or
             IOB2); the record's "text" is the tuple of words and its label the tuple of tag ids.
+  "none"    text only (masked-LM pretraining): a label field, if there is one, is not read; the
+            label is None.
 
 The vocabulary comes from the training split and is saved with the model; at eval time it is
 passed back in, so that label ids mean the same thing in both runs and a label the model never saw
@@ -37,7 +39,7 @@ import numpy as np
 from flash_layers.errors import UserError
 
 SPLITS = ("train", "dev", "test")
-LABEL_KINDS = ("single", "multi", "values", "tags")
+LABEL_KINDS = ("single", "multi", "values", "tags", "none")
 UNSEEN_LABELS = ("error", "ignore")
 MULTI_SEPARATOR = ";"  # between the labels of a document in a CSV/TSV cell
 FILE_FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".csv": "csv", ".tsv": "tsv"}
@@ -126,6 +128,8 @@ class LabelSpec:
   "single": an int32 scalar per slot, -1 = no document / no label. "multi": an int32 multi-hot row
   of `size` classes, all -1 = none. "values": a float32 row of `size` targets, NaN = none.
   "tags": one int32 tag id per token instead of per document ([rows, length]), -1 = not scored.
+  "none": per token, int32 [rows, length, 2]: (the token's id, or -1 for a special token or padding;
+  1 where it starts a word, else 0): what masked-LM masking draws from (training/objectives.py).
   """
 
   kind: str = "single"
@@ -137,11 +141,13 @@ class LabelSpec:
 
   @property
   def shape(self) -> tuple[int, ...]:
+    if self.kind == "none":
+      return (2,)
     return () if self.kind in ("single", "tags") else (self.size,)
 
   @property
   def per_token(self) -> bool:
-    return self.kind == "tags"
+    return self.kind in ("tags", "none")
 
   def empty(self, *leading: int) -> np.ndarray:
     """A labels array of `leading` slots, all empty."""
@@ -235,14 +241,14 @@ def _read_jsonl(path: pathlib.Path, text_column: str, label_column: str, words: 
       raise DataError(f"{where}not valid JSON ({e.msg})") from None
     if not isinstance(row, dict):
       raise DataError(f"{where}each line must be a JSON object; got {type(row).__name__}")
-    missing = [c for c in (text_column, label_column) if c not in row]
+    missing = [c for c in (text_column, label_column) if c is not None and c not in row]
     if missing:
       raise DataError(f"{where}missing column(s) {missing}; the line has {sorted(row)} "
                       f"({_CHOOSE_COLUMNS})")
     rows += 1
     text = row[text_column]
     text = _check_words(text, where, text_column) if words else _check_text(text, where)
-    yield text, row[label_column], where
+    yield text, None if label_column is None else row[label_column], where
   if rows == 0:
     raise DataError(f"{path}: empty file (no records)")
 
@@ -252,17 +258,17 @@ def _read_delimited(path: pathlib.Path, delimiter: str, text_column: str, label_
   reader = csv.DictReader(io.StringIO(content, newline=""), delimiter=delimiter)
   if reader.fieldnames is None:
     raise DataError(f"{path}: empty file (no header line)")
-  missing = [c for c in (text_column, label_column) if c not in reader.fieldnames]
+  missing = [c for c in (text_column, label_column) if c is not None and c not in reader.fieldnames]
   if missing:
     raise DataError(f"{path}:1: missing column(s) {missing}; the header has {reader.fieldnames} "
                     f"({_CHOOSE_COLUMNS})")
   rows = 0
   for row in reader:
     where = f"{path}:{reader.line_num}: "
-    if row[text_column] is None or row[label_column] is None:
+    if row[text_column] is None or (label_column is not None and row[label_column] is None):
       raise DataError(f"{where}row has fewer fields than the header {reader.fieldnames}")
     rows += 1
-    yield row[text_column], row[label_column], where
+    yield row[text_column], None if label_column is None else row[label_column], where
   if rows == 0:
     raise DataError(f"{path}: empty file (a header but no records)")
 
@@ -409,13 +415,16 @@ def read(path: str | pathlib.Path, *, split: str = "train", label_vocab=None, te
     raise ValueError(f"unseen_labels must be one of {UNSEEN_LABELS}; got {unseen_labels!r}")
   root = pathlib.Path(path)
   source = split_path(root, split)
-  if label_kind != "single" and source.is_dir():
+  if label_kind not in ("single", "none") and source.is_dir():
     raise DataError(f"{source}: a folder-per-class tree holds one label per document; "
                     f"{label_kind!r} labels need a JSONL, CSV or TSV file")
   vocab = as_vocab(label_vocab)
   jsonl = FILE_FORMATS.get(source.suffix.lower()) == "jsonl"
-  raw = list(_raw(source, text_column, label_column, words=label_kind == "tags"))
+  raw = list(_raw(source, text_column, None if label_kind == "none" else label_column,
+                  words=label_kind == "tags"))
   common = dict(source=str(source), split=split, label_kind=label_kind)
+  if label_kind == "none":
+    return Records([{"text": text, "label": None} for text, _, _ in raw], vocab=LabelVocab(()), **common)
   if label_kind == "tags":
     return _tagged(raw, root, source, split, vocab, text_column, label_column, unseen_labels, common)
   if label_kind == "values":

@@ -102,6 +102,25 @@ class TextTokenizer:
       out.append([np.asarray(w.ids, dtype=np.int32) for w in windows])
     return out
 
+  def encode_pieces(self, texts: Sequence[str]) -> list[list[tuple[np.ndarray, np.ndarray]]]:
+    """`encode`, each window with its int32 [n, 2] table for masked-LM masking: the token id, or -1
+    for a special token; 1 where the token starts a word (the pre-tokenizer's words), else 0."""
+    if isinstance(texts, str):
+      raise TypeError("texts must be a sequence of strings, not one string")
+    out = []
+    for enc in self.tokenizer.encode_batch(list(texts)):
+      windows = [enc] + (list(enc.overflowing) if self.long_docs == "windows" else [])
+      pieces = []
+      for w in windows:
+        ids = np.asarray(w.ids, np.int32)
+        special = np.asarray(w.special_tokens_mask, bool)
+        words = [-1 if x is None else x for x in w.word_ids]
+        starts = np.asarray([i == 0 or words[i] != words[i - 1] for i in range(len(words))], np.int32)
+        table = np.stack([np.where(special, -1, ids), starts * ~special], axis=-1)
+        pieces.append((ids, table.astype(np.int32)))
+      out.append(pieces)
+    return out
+
   def _specials(self) -> tuple[list[int], list[int]]:
     """The template's special tokens before and after a single text ([CLS], [SEP] for BERT)."""
     enc = self.tokenizer.encode(["x"], is_pretokenized=True)

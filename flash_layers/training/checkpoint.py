@@ -245,6 +245,25 @@ class Checkpointer:
     manager.reload()
 
 
+def read_params(workdir: str, which: str = "latest") -> tuple[int, dict]:
+  """(step, params as host NumPy arrays) of another run's checkpoint ("latest" or "best"), read
+  without its model: shapes from the checkpoint's metadata, the optimizer state not read
+  (config.model.init_from)."""
+  check_restorable(workdir, which)
+  steps = saved_steps(workdir)[which]
+  step = steps[-1]
+  folder = "checkpoints" if which == "latest" else "best"
+  path = os.path.join(os.path.abspath(workdir), folder, str(step), "state")
+  checkpointer = ocp.PyTreeCheckpointer()
+  meta = checkpointer.metadata(path)
+  tree = (meta.item_metadata.tree if hasattr(meta, "item_metadata") else meta.tree)["params"]
+  item = jax.tree.map(lambda m: np.zeros(m.shape, m.dtype), tree)
+  args = jax.tree.map(lambda m: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  restored = checkpointer.restore(path, args=ocp.args.PyTreeRestore(
+      item={"params": item}, restore_args={"params": args}, partial_restore=True))
+  return step, restored["params"]
+
+
 # ----------------------------------------------------------------------------
 # Data-iterator state: one per process, saved together in one JSON item
 # ----------------------------------------------------------------------------

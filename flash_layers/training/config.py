@@ -33,7 +33,8 @@ def default_config() -> ml_collections.ConfigDict:
   # What the model learns (training/objectives.py): "classification" (one class per document),
   # "multi_label_classification" (a set of classes per document, possibly empty), "regression"
   # (one number per document, or several: model.num_labels outputs) or "token_classification"
-  # (a tag per word: data.tokens_field, data.tags_field).
+  # (a tag per word: data.tokens_field, data.tags_field) or "masked_lm" (continued pretraining on
+  # the dataset's text, labels ignored: data.mlm_probability, data.whole_word_masking).
   c.task = "classification"
 
   c.model = m = ml_collections.ConfigDict()
@@ -51,6 +52,10 @@ def default_config() -> ml_collections.ConfigDict:
   # name the model package knows (e.g. "all-MiniLM-L6-v2"); None = from scratch
   # with the sizes below and data.tokenizer.
   m.pretrained = placeholder(str)
+  # A training run's workdir to start from (any task): its latest checkpoint's encoder (with its
+  # position table, extended here if max_len is longer), prediction and masked-LM heads; the
+  # classifier is this run's own. model.pretrained still says the architecture and tokenizer.
+  m.init_from = placeholder(str)
   # "repeat" the learned position rows (as Longformer) or "interpolate" them.
   m.position_extension = "repeat"
   # How many times the pretrained position table may be extended.
@@ -109,6 +114,10 @@ def default_config() -> ml_collections.ConfigDict:
   # Regression: train on targets standardized by the training split's mean and std (outputs are
   # mapped back for metrics and predictions; export folds the map into the head).
   d.standardize_targets = False
+  # Masked LM: the share of maskable tokens (not special, not padding) chosen each step; with
+  # whole_word_masking the share of words, all of a chosen word's pieces masked together.
+  d.mlm_probability = 0.15
+  d.whole_word_masking = False
   # Tokenizer: "minilm", "listops", a tokenizer.json or a directory holding one;
   # "" = the pretrained model's directory.
   d.tokenizer = ""
@@ -280,7 +289,7 @@ def best_metric(config: ml_collections.ConfigDict) -> str:
 def _validate_task(config: ml_collections.ConfigDict) -> None:
   _choice(config.task, "task", objectives.TASKS)
   builtin_task = BUILTIN_TASKS.get(config.data.dataset)
-  if builtin_task not in (None, config.task):
+  if builtin_task not in (None, config.task) and config.task != "masked_lm":  # MLM reads any text
     builtins = [repr(n) for n, t in BUILTIN_TASKS.items() if t == config.task]
     _fail("data.dataset", f"the built-in {config.data.dataset!r} is a {builtin_task!r} dataset; config.task="
           f"{config.task!r} takes " + "".join(f"{name} or " for name in builtins)
@@ -294,6 +303,14 @@ def _validate_task(config: ml_collections.ConfigDict) -> None:
   elif isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0.0 < threshold < 1.0:
     _fail("eval.threshold", f"must be a number in (0, 1), 'tune' or 'tune_per_label'; got {threshold!r}")
   _choice(config.data.unseen_labels, "data.unseen_labels", data_lib.UNSEEN_LABELS)
+  if config.task == "masked_lm":
+    if not 0.0 < config.data.mlm_probability < 1.0:
+      _fail("data.mlm_probability", f"must be in (0, 1); got {config.data.mlm_probability!r}")
+    if config.model.num_labels is not None:
+      _fail("model.num_labels", f"is {config.model.num_labels} but task 'masked_lm' has no classification "
+            "head (its outputs are the vocabulary); leave it None")
+  if not isinstance(config.data.whole_word_masking, bool):
+    _fail("data.whole_word_masking", f"must be True or False; got {config.data.whole_word_masking!r}")
   if not isinstance(config.data.standardize_targets, bool):
     _fail("data.standardize_targets", f"must be True or False; got {config.data.standardize_targets!r}")
 
@@ -321,6 +338,8 @@ def _validate_model(config: ml_collections.ConfigDict) -> None:
       _positive_int(config, f"model.{size}")
   _optional_positive_int(config, "model.vocab_size")
   _optional_positive_int(config, "model.num_labels")
+  if m.init_from is not None and not os.path.isdir(os.path.join(m.init_from, "checkpoints")):
+    _fail("model.init_from", f"{m.init_from!r} is not a training run's workdir (no checkpoints/ in it)")
 
 
 def _validate_train(config: ml_collections.ConfigDict) -> None:

@@ -34,7 +34,7 @@ from flash_layers.training import state as state_lib
 from flash_layers.training import steps as steps_lib
 from flash_layers.training import task as task_lib
 from flash_layers.training.distributed import log_job_info, setup_logging
-from flash_layers.training.objectives import Objective
+from flash_layers.training.objectives import MaskedLM, Objective
 
 log = logging.getLogger("flash_layers.training")
 # Batch entries that stay on the host: which document (data.eval_plan) or word a slot or token is.
@@ -60,7 +60,7 @@ def evaluate(eval_step, params, batches: Iterable[dict], num_batches: int, mesh:
   """
   plan = batches if isinstance(batches, eval_plan.TokenBatches) else None
   batches = iter(batches)
-  slot_logits, slot_docs, slot_labels = [], [], []
+  slot_logits, slot_docs, slot_labels, sums = [], [], [], []
   shardings: dict = {}
   last, next_doc = None, 0
   for _ in range(num_batches):
@@ -77,6 +77,9 @@ def evaluate(eval_step, params, batches: Iterable[dict], num_batches: int, mesh:
     if shape not in shardings:  # one per bucket length; the length axis goes over `sequence`
       shardings[shape] = sharding_lib.batch_shardings(device_batch, mesh, shape[1])
     out = eval_step(params, sharding_lib.to_global(device_batch, shardings[shape]))
+    if "stats" in out:  # masked LM: sums over the global batch, computed on device
+      sums.append(jax.device_get(out["stats"]))
+      continue
     if objective.per_token:  # a word's logits from the one token it is scored at
       word_ids = _global(np.asarray(batch["word_ids"])).reshape(-1)
       slot_logits.append(_global(out["logits"]).reshape(-1, objective.num_outputs)[word_ids >= 0])
@@ -95,6 +98,11 @@ def evaluate(eval_step, params, batches: Iterable[dict], num_batches: int, mesh:
     slot_docs.append(docs)
     slot_labels.append(labels)
   num_outputs = objective.num_outputs
+  if isinstance(objective, MaskedLM):
+    total = jax.tree.map(lambda *xs: np.sum(xs, axis=0), *sums) if sums else None
+    scores = objective.summarize(total) if total else {}
+    return {**scores, "loss": scores.get("mlm_loss", float("nan")), "count": scores.get("masked_tokens", 0),
+            "num_windows": 0, "objective": objective}
   if objective.per_token:
     return _score_words(objective, plan, slot_logits, slot_docs, keep_logits)
   logits = np.concatenate(slot_logits) if slot_logits else np.zeros((0, num_outputs))
@@ -174,6 +182,9 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
   if checkpoint not in ("latest", "best") and not str(checkpoint).isdigit():
     raise UserError(f"--checkpoint must be 'latest', 'best' or a step number; got {checkpoint!r}")
   which = checkpoint if checkpoint in ("latest", "best") else int(checkpoint)
+  if predict and config.task == "masked_lm":
+    raise UserError("--predict: task 'masked_lm' predicts no labels; eval.py reports its masked-LM loss, "
+                    "and a later run starts from its encoder with --config.model.init_from")
   documents = data_lib.read_documents(predict, text_column=task_lib.text_field(config),
                                       words=config.task == "token_classification") if predict else None
   checkpoint_lib.check_restorable(workdir, which)
@@ -190,7 +201,7 @@ def evaluate_checkpoint(config: ml_collections.ConfigDict, workdir: str, *, chec
 def _evaluate(config, workdir, mesh, task, objective, checkpoint, step, params, documents,
               predictions_path) -> dict:
   log.info("evaluating checkpoint step %d (%s) on %s", step, checkpoint, config.data.eval_split)
-  eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
+  eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, objective))
   batches, count = task.eval_batches(config.data.eval_split)
   result = evaluate(eval_step, params, batches, count, mesh, objective=objective,
                     aggregation=config.data.window_aggregation)

@@ -118,7 +118,7 @@ class Trainer:
       task.logits_fn, self.tx, self.schedule, objective=task.objective, seed=config.seed,
       grad_accum_steps=train.grad_accum_steps)
     self.train_step = jax.jit(train_step, out_shardings=(self.shardings, None), donate_argnums=0)
-    self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn))
+    self.eval_step = jax.jit(steps_lib.make_eval_step(task.logits_fn, task.objective))
     self.peak_flops = metrics_lib.peak_flops_per_device(jax.devices()[0].device_kind,
                                                         train.peak_flops_per_device)
 

@@ -18,6 +18,10 @@ One `Objective` per task. The loop, evaluation, prediction and export ask it and
     loss: softmax cross-entropy over the tagged tokens
     metrics: entity_f1, entity_precision, entity_recall (seqeval's default chunking), the same with
     _strict (seqeval's strict IOB2), token_accuracy; over words, each predicted once
+  masked_lm
+    per token: (id or -1, starts a word); `prepare` masks the batch on device, redrawn every step
+    loss: softmax cross-entropy over the vocabulary at the masked tokens
+    metrics: mlm_loss, mlm_accuracy, perplexity, and the same for positions < 512 and >= 512
 
 The model's logits are [batch, max_docs, C] (C = classes, labels or targets); a document is the
 mean (or max) of its windows' logits (data.eval_plan.aggregate_logits) before it is scored.
@@ -45,21 +49,22 @@ from flash_layers.data.readers import LabelSpec
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import task_metrics
 
-TASKS = ("classification", "multi_label_classification", "regression", "token_classification")
+TASKS = ("classification", "multi_label_classification", "regression", "token_classification", "masked_lm")
 # Which reader label kind each task reads (data.readers.LABEL_KINDS).
 LABEL_KINDS = {"classification": "single", "multi_label_classification": "multi", "regression": "values",
-               "token_classification": "tags"}
+               "token_classification": "tags", "masked_lm": "none"}
 # transformers' config.problem_type for each task (export writes it; token classification has none).
 PROBLEM_TYPES = {"classification": "single_label_classification",
                  "multi_label_classification": "multi_label_classification", "regression": "regression",
-                 "token_classification": None}
+                 "token_classification": None, "masked_lm": None}
 # Dev metrics a best checkpoint may be chosen by, the task's default first.
 BEST_METRICS = {"classification": ("accuracy", "macro_f1", "loss"),
                 "multi_label_classification": ("micro_f1", "macro_f1", "samples_f1", "mean_average_precision",
                                                "loss"),
                 "regression": ("mse", "mae", "pearson", "spearman", "loss"),
-                "token_classification": ("entity_f1", "entity_f1_strict", "token_accuracy", "loss")}
-LOWER_IS_BETTER = frozenset({"loss", "mse", "mae"})
+                "token_classification": ("entity_f1", "entity_f1_strict", "token_accuracy", "loss"),
+                "masked_lm": ("mlm_loss", "mlm_accuracy", "loss")}
+LOWER_IS_BETTER = frozenset({"loss", "mse", "mae", "mlm_loss"})
 THRESHOLD_MODES = ("tune", "tune_per_label")
 
 
@@ -101,6 +106,10 @@ class Objective:
     return BEST_METRICS[self.task][:2]
 
   # -- on device, inside the train step ---------------------------------------
+
+  def prepare(self, batch: dict, rng: jax.Array) -> dict:
+    """The batch the model sees (masked-LM masks it with `rng`); the others leave it as it is."""
+    return batch
 
   def weights(self, labels: jax.Array) -> jax.Array:
     """[batch, max_docs] float32: 1 for a slot holding a labelled document."""
@@ -367,9 +376,90 @@ class TokenClassification(Objective):
     return [{"tags": tags} for tags in self._split(self.predicted_tags(word_logits, seen), doc_words)]
 
 
+# Positions at and past this one are beyond a 512-row checkpoint's position table: masked-LM
+# reports its loss on either side (Longformer's check of copied positions).
+POSITION_SPLIT = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class MaskedLM(Objective):
+  """Dynamic masking (BERT's recipe): each maskable token (not special, not padding), or with
+  `whole_word` each word, is chosen with `probability`; a chosen token becomes mask_id 80% of the
+  time, a uniformly random id 10%, and stays 10%. Drawn on device from the step's key, so every
+  step (and a resumed run) draws its own masks, the same for any number of devices."""
+
+  vocab_size: int = 0
+  mask_id: int = 0
+  probability: float = 0.15
+  whole_word: bool = False
+
+  @property
+  def num_outputs(self) -> int:
+    return self.vocab_size
+
+  @property
+  def label_spec(self) -> LabelSpec:
+    return LabelSpec("none")
+
+  @property
+  def headline(self) -> tuple[str, ...]:
+    return ("mlm_accuracy", "perplexity")
+
+  def prepare(self, batch, rng):
+    table = batch["labels"]  # [b, t, 2]: id or -1, word start
+    original, starts = table[..., 0], table[..., 1] > 0
+    maskable = original >= 0
+    choose, action, replacement = jax.random.split(rng, 3)
+    draw = jax.random.uniform(choose, original.shape)
+    if self.whole_word:  # every piece of a word takes its first piece's draw
+      index = jnp.broadcast_to(jnp.arange(original.shape[1]), original.shape)
+      first = jax.lax.cummax(jnp.where(starts | ~maskable, index, 0), axis=1)
+      draw = jnp.take_along_axis(draw, first, axis=1)
+    masked = maskable & (draw < self.probability)
+    how = jax.random.uniform(action, original.shape)
+    random_ids = jax.random.randint(replacement, original.shape, 0, self.vocab_size, jnp.int32)
+    ids = jnp.where(masked & (how < 0.8), self.mask_id,
+                    jnp.where(masked & (how >= 0.8) & (how < 0.9), random_ids, batch["input_ids"]))
+    targets = jnp.where(masked, original, -1)
+    far = (batch["positions"] >= POSITION_SPLIT).astype(jnp.int32)
+    return {**batch, "input_ids": ids.astype(batch["input_ids"].dtype),
+            "labels": jnp.stack([targets, far], -1)}
+
+  def weights(self, labels):
+    return (labels[..., 0] >= 0).astype(jnp.float32)
+
+  def loss_sums(self, logits, labels):
+    targets, far = labels[..., 0], labels[..., 1] > 0
+    weights = self.weights(labels)
+    logits = logits.astype(jnp.float32)
+    losses = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.maximum(targets, 0)) * weights
+    correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32) * weights
+    split = lambda x: jnp.stack([jnp.sum(jnp.where(far, 0, x)), jnp.sum(jnp.where(far, x, 0))])
+    return {"loss_sum": jnp.sum(losses), "count": jnp.sum(weights),
+            "stats": {"loss": split(losses), "correct": split(correct), "count": split(weights)}}
+
+  def window_summary(self, stats):
+    return self.summarize(stats)
+
+  def summarize(self, stats: dict) -> dict:
+    """mlm_loss, mlm_accuracy, perplexity over all masked tokens and on either side of POSITION_SPLIT."""
+    loss, correct, count = (np.asarray(stats[k], np.float64).reshape(-1, 2).sum(0)
+                            for k in ("loss", "correct", "count"))
+    out = {}
+    for suffix, part in (("", slice(None)), (f"_below_{POSITION_SPLIT}", 0), (f"_from_{POSITION_SPLIT}", 1)):
+      n = float(np.sum(count[part]))
+      mean = float(np.sum(loss[part])) / n if n else float("nan")
+      out[f"mlm_loss{suffix}"] = mean
+      out[f"mlm_accuracy{suffix}"] = float(np.sum(correct[part])) / n if n else float("nan")
+      out[f"perplexity{suffix}"] = float(np.exp(mean)) if n else float("nan")
+      out[f"masked_tokens{suffix}"] = int(n)
+    return out
+
+
 def build(task: str, names: Sequence, *, label_smoothing: float = 0.0, threshold: float | str = 0.5,
-          train_targets: np.ndarray | None = None, standardize: bool = False) -> Objective:
-  """The objective of `task` over `names` (classes, labels or targets)."""
+          train_targets: np.ndarray | None = None, standardize: bool = False,
+          mlm: dict | None = None) -> Objective:
+  """The objective of `task` over `names` (classes, labels or targets); `mlm`: MaskedLM's fields."""
   names = tuple(names)
   if task == "classification":
     return Classification(task, names, label_smoothing=label_smoothing)
@@ -380,6 +470,8 @@ def build(task: str, names: Sequence, *, label_smoothing: float = 0.0, threshold
     return Regression.from_targets(names, targets, standardize)
   if task == "token_classification":
     return TokenClassification(task, names)
+  if task == "masked_lm":
+    return MaskedLM(task, (), **(mlm or {}))
   raise ValueError(f"task must be one of {TASKS}; got {task!r}")
 
 

@@ -16,11 +16,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from flash_layers.training.objectives import Objective
+from flash_layers.training.objectives import MaskedLM, Objective
 from flash_layers.training.state import TrainState
 
 # logits_fn(params, batch, *, train, rng) -> float logits [batch, docs, num_outputs]
 LogitsFn = Callable[..., jax.Array]
+MASKING_STREAM = 0x4D4C4D  # folded into a micro-batch's key for the objective's masks ("MLM")
+EVAL_MASK_SEED = 1234
 
 
 def _loss_sums(objective: Objective, logits, batch):
@@ -43,6 +45,8 @@ def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, sched
   base_key = jax.random.key(seed)
 
   def micro_loss(params, batch, rng):
+    # The objective's view of the batch (masked-LM masks it) from its own key; dropout keeps `rng`.
+    batch = objective.prepare(batch, jax.random.fold_in(rng, MASKING_STREAM))
     logits = logits_fn(params, batch, train=True, rng=rng)
     sums = _loss_sums(objective, logits, batch)
     return sums["loss_sum"], sums
@@ -81,9 +85,19 @@ def make_train_step(logits_fn: LogitsFn, tx: optax.GradientTransformation, sched
   return train_step
 
 
-def make_eval_step(logits_fn: LogitsFn):
+def make_eval_step(logits_fn: LogitsFn, objective: Objective | None = None):
   """(params, batch) -> {"logits": [batch, docs, num_outputs] float32}. Metrics are computed on
-  the host (training.evaluate), after a document's windows are combined."""
+  the host (training.evaluate), after a document's windows are combined. Masked LM: {"stats": ...},
+  its sums on device (its logits, [batch, length, vocab], are not brought to the host), with masks
+  drawn from EVAL_MASK_SEED and the batch's tokens, so every evaluation masks a batch alike."""
+  if isinstance(objective, MaskedLM):
+    def mlm_eval_step(params, batch: dict):
+      key = jax.random.fold_in(jax.random.key(EVAL_MASK_SEED), jnp.sum(batch["input_ids"] % 65521))
+      batch = objective.prepare(batch, key)
+      logits = logits_fn(params, batch, train=False, rng=None)
+      return {"stats": objective.loss_sums(logits, batch["labels"])["stats"]}
+    return mlm_eval_step
+
   def eval_step(params, batch: dict):
     return {"logits": logits_fn(params, batch, train=False, rng=None).astype(jnp.float32)}
   return eval_step

@@ -22,6 +22,7 @@ from flash_layers import data as data_lib
 from flash_layers import models
 from flash_layers.data import eval_plan, readers
 from flash_layers.parallel.mesh import BATCH_AXES
+from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import config as config_lib
 from flash_layers.training import objectives
 from flash_layers.training import steps as steps_lib
@@ -77,6 +78,12 @@ def _has_split(root: pathlib.Path, split: str) -> bool:
 def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Records:
   """Records of one split; a dataset without a dev split on disk gets one carved out of train."""
   d = config.data
+  if config.task == "masked_lm" and d.dataset in config_lib.BUILTIN_DATASETS:  # their text alone
+    records = load_split(_with_task(config, config_lib.BUILTIN_TASKS[d.dataset]), split)
+    text = lambda t: t if isinstance(t, str) else " ".join(t)  # a token task's words, joined
+    return data_lib.Records([{"text": text(r["text"]), "label": None} for r in records],
+                            vocab=data_lib.LabelVocab(()), source=records.source, split=split,
+                            label_kind="none")
   if d.dataset == "bbc_news":
     return data_lib.load("bbc_news", split=split)
   if d.dataset == "listops":
@@ -99,6 +106,12 @@ def load_split(config: ml_collections.ConfigDict, split: str) -> data_lib.Record
   chosen = sorted(order[:num_dev]) if split == "dev" else sorted(order[num_dev:])
   return data_lib.Records([train[i] for i in chosen], vocab=train.vocab, source=train.source, split=split,
                           label_kind=train.label_kind)
+
+
+def _with_task(config: ml_collections.ConfigDict, task: str) -> ml_collections.ConfigDict:
+  other = ml_collections.ConfigDict(config.to_dict())
+  other.task = task
+  return other
 
 
 def text_field(config: ml_collections.ConfigDict) -> str:
@@ -192,6 +205,9 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   config_lib.check_attention_dropout(m, attention_dropout)
   if not m.pretrained or models.pretrained.has_attention_dropout(m.pretrained):
     common["attention_dropout_rate"] = attention_dropout
+  if config.task == "masked_lm":  # the masked-LM head instead of a classifier
+    num_labels = None
+    common["mlm_head"] = True
   if m.pretrained:
     model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
                                            position_extension=m.position_extension, seed=config.seed,
@@ -206,12 +222,53 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   return model, None
 
 
-def make_logits_fn(model: models.Bert, *, per_token: bool = False):
+# Params a run started with config.model.init_from takes from its own init or checkpoint, never from
+# the other run: its task's classifier.
+NOT_INITIALIZED_FROM = ("classifier",)
+
+
+def init_from_run(config: ml_collections.ConfigDict, model, params) -> dict:
+  """`params` with every parameter of the run in config.model.init_from's latest checkpoint that this
+  model has too, except the classifier (NOT_INITIALIZED_FROM): its encoder, with its (extended)
+  position table, grown by model.position_extension if this model's max_len is longer; its
+  prediction head (ModernBERT) and masked-LM head where both have them. Shapes must match."""
+  step, source = checkpoint_lib.read_params(config.model.init_from)
+  flat = dict(jax.tree_util.tree_flatten_with_path(source)[0])
+  out, taken, kept = {}, 0, []
+
+  def take(path, value):
+    nonlocal taken
+    name = tuple(getattr(k, "key", k) for k in path)
+    given = flat.get(path)
+    if given is None or name[0] in NOT_INITIALIZED_FROM:
+      kept.append("/".join(map(str, name)))
+      return value
+    if name[0] == "position_embeddings" and given.shape[0] < value.shape[0]:
+      offset = getattr(model, "position_offset", 0)
+      given = np.concatenate([given[:offset], models.extend_positions(given[offset:], value.shape[0] - offset,
+                                                                      config.model.position_extension)])
+    if given.shape != value.shape:
+      where = "/".join(map(str, name))
+      raise ConfigError(f"config.model.init_from={config.model.init_from!r}: param {where} has shape "
+                        f"{given.shape} there but {value.shape} here: not the same encoder")
+    taken += 1
+    return np.asarray(given, value.dtype)
+
+  out = jax.tree_util.tree_map_with_path(take, params)
+  log.info("initialized %d params from %s (step %d); from this run's own init or checkpoint: %s", taken,
+           config.model.init_from, step, ", ".join(kept) or "none")
+  return out
+
+
+def make_logits_fn(model: models.Bert, *, per_token: bool = False, mlm: bool = False):
   """Called under sharding.sharding_context (the mesh and logical rules are set by the caller).
-  Logits per document slot [batch, docs, C], or with `per_token` per token [batch, length, C]."""
+  Logits per document slot [batch, docs, C], or with `per_token` per token [batch, length, C], or
+  with `mlm` the masked-LM head's [batch, length, vocab]."""
   def logits_fn(params, batch, *, train: bool, rng):
     rngs = {"dropout": rng} if train else {}
     args = (batch["input_ids"], batch["segment_ids"], batch["positions"])
+    if mlm:
+      return model.apply({"params": params}, *args, deterministic=not train, rngs=rngs, method=model.mlm)
     if per_token:
       return model.apply({"params": params}, *args, deterministic=not train, rngs=rngs, method=model.tag)
     return model.apply({"params": params}, *args, max_docs=batch["labels"].shape[1], deterministic=not train,
@@ -219,10 +276,20 @@ def make_logits_fn(model: models.Bert, *, per_token: bool = False):
   return logits_fn
 
 
-def build_objective(config: ml_collections.ConfigDict,
-                    train_records: data_lib.Records) -> objectives.Objective:
-  """The task's objective over the training data's labels (or regression targets)."""
+def build_objective(config: ml_collections.ConfigDict, train_records: data_lib.Records,
+                    tokenizer: data_lib.TextTokenizer | None = None) -> objectives.Objective:
+  """The task's objective over the training data's labels (or regression targets); masked LM: over
+  the tokenizer's vocabulary, masking with its mask token."""
   names = list(train_records.vocab.names)
+  if config.task == "masked_lm":
+    ids = [tokenizer.tokenizer.token_to_id(t) for t in ("[MASK]", "<mask>")]
+    mask = next((i for i in ids if i is not None), None)
+    if mask is None:
+      raise ConfigError(f"config.task='masked_lm': the tokenizer {tokenizer_path(config)!r} has no mask "
+                        "token ([MASK] or <mask>)")
+    return objectives.build("masked_lm", (), mlm={
+        "vocab_size": config.model.vocab_size or tokenizer.vocab_size, "mask_id": mask,
+        "probability": config.data.mlm_probability, "whole_word": config.data.whole_word_masking})
   targets = None
   if config.task == "regression":
     targets = np.asarray([r["label"] for r in train_records], np.float64).reshape(len(train_records), -1)
@@ -246,8 +313,14 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
     what = "regression targets" if config.task == "regression" else "labels"
     raise ConfigError(f"config.model.num_labels={config.model.num_labels} but the training data has "
                       f"{len(label_names)} {what} {label_names[:10]}; leave it unset to take the data's")
-  objective = build_objective(config, train_records)
+  objective = build_objective(config, train_records, tokenizer)
   model, pretrained = build_model(config, len(label_names), tokenizer.vocab_size)
+  if config.task == "masked_lm":
+    objective = dataclasses.replace(objective, vocab_size=model.vocab_size)
+  if config.model.init_from:
+    if pretrained is None:
+      pretrained = jax.tree.map(np.asarray, models.init_params(model, jax.random.key(config.seed)))
+    pretrained = init_from_run(config, model, pretrained)
   seq_len = config.model.max_len
 
   def init_params():
@@ -282,7 +355,8 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   def predict_batches(texts: list[str]) -> list[dict]:
     return planned_eval_batches(config, texts, None, tokenizer, mesh, objective.label_spec)
 
-  return Task(logits_fn=make_logits_fn(model, per_token=objective.per_token), init_params=init_params,
+  return Task(logits_fn=make_logits_fn(model, per_token=objective.per_token,
+                                       mlm=config.task == "masked_lm"), init_params=init_params,
               pretrained_params=pretrained,
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
               predict_batches=predict_batches,
