@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from flash_layers.errors import UserError
 from flash_layers.models import pretrained
-from flash_layers.models.export import check_exportable, export_model, model_type_of
+from flash_layers.models.export import ExportError, check_exportable, export_model, model_type_of
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import cli, evaluate, objectives, sharding
 from flash_layers.training import config as config_lib
@@ -59,6 +59,9 @@ def restore_run(workdir: str, *, config=None, checkpoint: str | int = "best") ->
   if config is None:
     config = saved_config(workdir, which)
   config_lib.validate(config)
+  if config.data.long_documents == "hierarchical":
+    raise ExportError("data.long_documents='hierarchical' cannot be exported: no transformers class reads a "
+                      "document as chunks and combines their vectors")
   mesh = sharding.mesh_from_config(config)
   task = task_lib.build_task(config, mesh, with_train_data=False)
   source_type = None

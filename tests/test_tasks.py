@@ -723,3 +723,108 @@ def test_init_from_starts_a_task_from_a_masked_lm_run_with_its_positions_extende
   with pytest.raises(config_lib.ConfigError,
                      match="config.model.init_from: .* is not a training run's workdir"):
     config_lib.validate(classify, num_devices=1)
+
+
+# ----------------------------------------------------------------------------
+# Hierarchical documents
+# ----------------------------------------------------------------------------
+
+def test_a_hierarchical_row_is_one_documents_chunks():
+  tok = data_lib.TextTokenizer("minilm", max_len=8, long_docs="windows")
+  text = "one two three four five six seven eight nine ten eleven twelve thirteen fourteen"
+  windows = tok.encode([text])[0]
+  assert len(windows) == 3
+  [batch] = data_lib.eval_batches([text, "short"], [1, 0], tok, batch_size=2, chunks=2)
+  row = np.flatnonzero(batch["doc_ids"][:, 0] == 0)[0]
+  np.testing.assert_array_equal(batch["input_ids"][row, :16], np.concatenate(windows[:2]))  # the first 2
+  np.testing.assert_array_equal(batch["segment_ids"][row], [1] * 8 + [2] * 8)
+  np.testing.assert_array_equal(batch["positions"][row], list(range(8)) * 2)
+  assert batch["labels"].tolist()[row] == [1] and batch["input_ids"].shape[1] == 16
+  records = data_lib.Records([{"text": text, "label": 1}], vocab=data_lib.LabelVocab(("a", "b")), source="t",
+                             split="train")
+  train = next(data_lib.make_batches(records, tok, batch_size=1, chunks=3, shuffle=False))
+  np.testing.assert_array_equal(train["segment_ids"][0][:sum(map(len, windows))],
+                                np.repeat([1, 2, 3], [len(w) for w in windows]))
+  with pytest.raises(ValueError, match="chunks .* needs pack=False"):
+    data_lib.make_batches(records, tok, batch_size=1, chunks=3, pack=True)
+
+
+@pytest.mark.parametrize("chunk_pooling", ["mean", "max", "attention"])
+def test_chunk_vectors_are_combined_as_documented(chunk_pooling):
+  model = models.Bert(vocab_size=50, hidden_size=16, num_layers=1, num_heads=2, mlp_dim=32, max_len=24,
+                      num_labels=3, pooling="mean", impl="reference", chunk_pooling=chunk_pooling)
+  params = models.init_params(model, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  ids = rng.integers(1, 50, (2, 24)).astype(np.int32)
+  seg = np.array([[1] * 8 + [2] * 8 + [3] * 8, [1] * 8 + [2] * 4 + [0] * 12], np.int32)
+  pos = np.array([list(range(8)) * 3, list(range(8)) + list(range(4)) + [0] * 12], np.int32)
+  logits = model.apply({"params": params}, ids, seg, pos, max_chunks=3, method=model.classify_chunks)
+  logits = np.asarray(logits)
+  # Independently: each chunk encoded on its own (positions from 0), mean-pooled, then combined.
+  chunk_vectors = []
+  for r in range(2):
+    vectors = []
+    for c in (1, 2, 3):
+      keep = seg[r] == c
+      if keep.any():
+        hidden = model.apply({"params": params}, ids[r:r + 1, keep], method=model.encode)
+        vectors.append(np.asarray(hidden[0], np.float64).mean(0))
+    chunk_vectors.append(np.stack(vectors))
+  for r, vectors in enumerate(chunk_vectors):
+    if chunk_pooling == "mean":
+      document = vectors.mean(0)
+    elif chunk_pooling == "max":
+      document = vectors.max(0)
+    else:
+      score = params["chunk_score"]
+      s = vectors @ np.asarray(score["kernel"], np.float64)[:, 0] + float(score["bias"][0])
+      document = (np.exp(s - s.max()) / np.exp(s - s.max()).sum()) @ vectors
+    head = params["classifier"]
+    expected = document @ np.asarray(head["kernel"]) + np.asarray(head["bias"])
+    np.testing.assert_allclose(logits[r, 0], expected, rtol=1e-4, atol=1e-5)
+
+
+def test_hierarchical_documents_train_evaluate_and_predict(tmp_path):
+  dataset = _write_multi_label(tmp_path / "data", sizes=(48, 16, 16))
+  config = _tiny(dataset, task="multi_label_classification", data__long_documents="hierarchical",
+                 data__max_chunks=3, model__chunk_pooling="attention", model__max_len=16)
+  config.train.num_steps, config.train.eval_every, config.checkpoint.every_steps = 6, 6, 6
+  loop.train_and_evaluate(config, str(tmp_path / "run"))
+  rows = _texts(dataset)
+  documents = _lines(tmp_path / "docs.jsonl", [{"text": r["text"]} for r in rows])
+  report = evaluate_lib.evaluate_checkpoint(config, str(tmp_path / "run"), checkpoint="latest",
+                                            predict=str(documents))
+  written = (tmp_path / "run" / "predictions.jsonl").read_text().splitlines()
+  predictions = [json.loads(line) for line in written]
+  gold = np.array([[n in r["label"] for n in NAMES] for r in rows])
+  predicted = np.array([[n in p["labels"] for n in NAMES] for p in predictions])
+  assert report["micro_f1"] == pytest.approx(task_metrics.multi_label_scores(gold, predicted)["micro_f1"])
+  assert report["num_examples"] == len(rows) == len(predictions)
+  with pytest.raises(export.ExportError, match="'hierarchical' cannot be exported"):
+    export.export_to_transformers(str(tmp_path / "run"), tmp_path / "hf", checkpoint="latest")
+
+
+@pytest.mark.slow
+def test_hierarchical_run_scores_alike_on_a_sequence_sharded_mesh(tmp_path):
+  dataset = _write_multi_label(tmp_path / "data", sizes=(48, 16, 16))
+  common = ["--config", str(REPO / "configs/tiny.py"), "--workdir", str(tmp_path / "run"),
+            f"--config.data.dataset={dataset}", "--config.task=classification",
+            "--config.data.long_documents=hierarchical", "--config.data.max_chunks=2",
+            "--config.model.max_len=16", "--config.train.num_steps=4", "--config.data.eval_split=test"]
+  _lines(dataset / "train.jsonl", [{"text": r["text"], "label": (r["label"] or ["none"])[0]}
+                                   for r in _texts(dataset, "train")])
+  for split in ("dev", "test"):
+    _lines(dataset / f"{split}.jsonl", [{"text": r["text"], "label": (r["label"] or ["none"])[0]}
+                                        for r in _texts(dataset, split)])
+  run = lambda script, *flags, devices=1: subprocess.run(
+      [sys.executable, str(REPO / script), *common, *flags], env=_env(devices), cwd=REPO, capture_output=True,
+      text=True, timeout=900)
+  result = run("train.py")
+  assert result.returncode == 0, result.stderr[-4000:]
+  reports = []
+  for devices, mesh in ((1, []), (2, ["--config.mesh.data=1", "--config.mesh.sequence=2"])):
+    result = run("eval.py", *mesh, devices=devices)
+    assert result.returncode == 0, result.stderr[-4000:]
+    reports.append(json.loads((tmp_path / "run" / "eval_metrics.json").read_text()))
+  assert reports[0]["confusion_matrix"] == reports[1]["confusion_matrix"]
+  assert reports[0]["loss"] == pytest.approx(reports[1]["loss"], rel=1e-5)

@@ -40,7 +40,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from flash_layers.data.pipeline import pack_rows, token_tags
+from flash_layers.data.pipeline import chunked, pack_rows, token_tags
 from flash_layers.data.readers import SINGLE, LabelSpec
 from flash_layers.data.tokenize import TextTokenizer
 
@@ -116,7 +116,7 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
                  batch_size: int, max_docs_per_row: int = 8, pack: bool = True,
                  buckets: Sequence[int] | None = None, row_tokens: int | None = ROW_TOKENS,
                  row_multiple: int = 1, process_index: int = 0, process_count: int = 1,
-                 label_spec: LabelSpec = SINGLE) -> list[dict[str, np.ndarray]]:
+                 label_spec: LabelSpec = SINGLE, chunks: int | None = None) -> list[dict[str, np.ndarray]]:
   """This process's rows of every evaluation batch (module docstring).
 
   Args:
@@ -134,6 +134,8 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
     row_multiple: every batch's rows divide by this (e.g. the mesh's batch-parallel size) and
       by process_count.
     process_index, process_count: which rows of each batch this process keeps.
+    chunks: hierarchical documents: each document is one row of its first `chunks` windows, its
+      segments (pipeline.chunked); rows are up to chunks * max_len tokens, one document each.
   """
   if labels is not None and len(labels) != len(texts):
     raise ValueError(f"{len(texts)} texts but {len(labels)} labels")
@@ -155,12 +157,16 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
                               process_index=process_index, process_count=process_count)
   windows, doc_of = [], []
   for doc, ws in enumerate(tokenizer.encode(list(texts))):
-    windows += ws
-    doc_of += [doc] * len(ws)
+    if chunks:
+      windows.append(chunked(ws[:chunks], None))
+      doc_of.append(doc)
+    else:
+      windows += ws
+      doc_of += [doc] * len(ws)
   slots = [None if labels is None else labels[doc] for doc in doc_of]
-  return _planned(windows, slots, doc_of, {}, tokenizer, label_spec, batch_size=batch_size,
-                  max_docs_per_row=max_docs_per_row, pack=pack, buckets=buckets, row_tokens=row_tokens,
-                  row_multiple=row_multiple, process_index=process_index, process_count=process_count)
+  if chunks:
+    options.update(pack=False, buckets=buckets or length_buckets(tokenizer.max_len * chunks))
+  return _planned(windows, slots, doc_of, {}, tokenizer, label_spec, **options)
 
 
 class TokenBatches(list):
@@ -207,14 +213,17 @@ def _planned(windows, slots, doc_of, extras: dict, tokenizer, label_spec, *, bat
     raise ValueError(f"batch_size={batch_size} must divide over {process_count} processes")
   max_docs = max_docs_per_row if pack else 1
   buckets = tuple(buckets or length_buckets(tokenizer.max_len))
-  plan = plan_batches([len(w) for w in windows], batch_size=batch_size, max_docs=max_docs,
+  length = lambda w: len(w[0]) if isinstance(w, tuple) else len(w)
+  plan = plan_batches([length(w) for w in windows], batch_size=batch_size, max_docs=max_docs,
                       buckets=buckets, pack=pack, row_tokens=row_tokens,
                       row_multiple=math.lcm(row_multiple, process_count))
   out = []
   for planned in plan:
     local = planned.num_rows // process_count
     mine = planned.rows[process_index * local:(process_index + 1) * local]
-    batch = pack_rows([[(windows[i], slots[i]) for i in row] for row in mine], batch_size=local,
+    example = lambda i: ((windows[i][0], slots[i], windows[i][2]) if isinstance(windows[i], tuple)
+                         else (windows[i], slots[i]))
+    batch = pack_rows([[example(i) for i in row] for row in mine], batch_size=local,
                       max_len=planned.row_len, max_docs=max_docs, pad_id=tokenizer.pad_id,
                       label_spec=label_spec)
     doc_ids = np.full((local, max_docs), -1, np.int32)
@@ -225,8 +234,8 @@ def _planned(windows, slots, doc_of, extras: dict, tokenizer, label_spec, *, bat
       start = 0
       for i in row:
         for name, per_window in extras.items():
-          batch[name][r, start:start + len(windows[i])] = per_window[i]
-        start += len(windows[i])
+          batch[name][r, start:start + length(windows[i])] = per_window[i]
+        start += length(windows[i])
     batch["doc_ids"] = doc_ids
     out.append(batch)
   return out

@@ -15,7 +15,10 @@ Every batch is a dict of int32 numpy arrays:
                token classification: [batch, max_len], a tag id per token (its word's first
                piece), -1 elsewhere
 
-Without packing a row holds one document (max_docs = 1). With packing, documents are placed in
+Without packing a row holds one document (max_docs = 1). Hierarchical documents (`chunks`): a row holds
+one document's first `chunks` windows (of max_len tokens each) as its segments 1, 2, ..., positions
+restarting in each, so a row is up to chunks * max_len tokens and its one label slot is the document's.
+With packing, documents are placed in
 order, greedily: a row takes the next document while it fits in max_len and the row has fewer
 than max_docs_per_row documents. A long document split into windows gives one "document" per
 window, each with the document's label. A final short batch is padded with empty rows (labels
@@ -38,18 +41,24 @@ import numpy as np
 from flash_layers.data.readers import SINGLE, LabelSpec
 from flash_layers.data.tokenize import TextTokenizer
 
-Example = tuple[np.ndarray, Any]  # (token ids of one window, its document's label as Records hold it)
+# (token ids of one window, its document's label as Records hold it), or for a hierarchical document
+# (the ids of its chunks, the label, each token's chunk: 1, 2, ...).
+Example = tuple
 
 
 class _Encode:
   """Tokenize a chunk of records: -> [(window ids, label)], windows of a record in order. Token
   classification ("tags"): the label is per token, the word's tag on its first piece, else -1."""
 
-  def __init__(self, tokenizer: TextTokenizer, kind: str = "single"):
+  def __init__(self, tokenizer: TextTokenizer, kind: str = "single", chunks: int | None = None):
     self.tokenizer = tokenizer
     self.kind = kind
+    self.chunks = chunks
 
   def __call__(self, records: Sequence[dict]) -> list[Example]:
+    if self.chunks:  # hierarchical: one example of a document's first `chunks` windows
+      windows = self.tokenizer.encode([r["text"] for r in records])
+      return [chunked(ws[:self.chunks], r["label"]) for r, ws in zip(records, windows, strict=True)]
     if self.kind == "none":  # masked LM: per token, the id (or -1) and whether it starts a word
       return [w for ws in self.tokenizer.encode_pieces([r["text"] for r in records]) for w in ws]
     if self.kind == "tags":
@@ -58,6 +67,12 @@ class _Encode:
               for w in ws]
     windows = self.tokenizer.encode([r["text"] for r in records])
     return [(w, r["label"]) for r, ws in zip(records, windows, strict=True) for w in ws]
+
+
+def chunked(windows: Sequence[np.ndarray], label) -> Example:
+  """A hierarchical document's example: its windows' ids end to end, its label, each token's chunk."""
+  segments = np.concatenate([np.full(len(w), c + 1, np.int32) for c, w in enumerate(windows)])
+  return np.concatenate(windows).astype(np.int32), label, segments
 
 
 def token_tags(word_index: np.ndarray, tags) -> np.ndarray:
@@ -81,13 +96,18 @@ def pack_rows(rows: Sequence[Sequence[Example]], *, batch_size: int, max_len: in
     if len(row) > max_docs:
       raise ValueError(f"row {r} has {len(row)} documents; max_docs={max_docs}")
     start = 0
-    for d, (tokens, label) in enumerate(row):
+    for d, (tokens, label, *chunks) in enumerate(row):
       end = start + len(tokens)
       if end > max_len:
         raise ValueError(f"row {r}: documents of {end} tokens exceed max_len={max_len}")
       ids[r, start:end] = tokens
-      seg[r, start:end] = d + 1
-      pos[r, start:end] = np.arange(len(tokens))
+      if chunks:  # a hierarchical document: its chunks are the row's segments
+        seg[r, start:end] = chunks[0]
+        first = np.r_[0, np.flatnonzero(np.diff(chunks[0])) + 1]
+        pos[r, start:end] = np.arange(len(tokens)) - np.repeat(first, np.diff(np.r_[first, len(tokens)]))
+      else:
+        seg[r, start:end] = d + 1
+        pos[r, start:end] = np.arange(len(tokens))
       if label_spec.per_token:
         labels[r, start:end] = -1 if label is None else label
       else:
@@ -187,7 +207,8 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
                  pack: bool = False, max_docs_per_row: int | None = None, shuffle: bool = True,
                  seed: int = 0, num_epochs: int | None = 1, drop_remainder: bool = False,
                  process_index: int | None = None, process_count: int | None = None,
-                 num_workers: int = 0, tokenize_chunk: int = 64) -> grain.IterDataset:
+                 num_workers: int = 0, tokenize_chunk: int = 64,
+                 chunks: int | None = None) -> grain.IterDataset:
   """The pipeline as a grain IterDataset (see `make_batches` for the arguments)."""
   if not isinstance(tokenizer, TextTokenizer):
     raise TypeError(f"tokenizer must be a flash_layers.data.TextTokenizer; got {type(tokenizer).__name__}")
@@ -199,6 +220,10 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
   if max_docs_per_row is None:
     max_docs_per_row = 8 if pack else 1
   _check_int("max_docs_per_row", max_docs_per_row, minimum=1)
+  if chunks is not None:
+    _check_int("chunks", chunks, minimum=1)
+    if pack:
+      raise ValueError("chunks (hierarchical documents) needs pack=False: a row holds one document's chunks")
   if not pack and max_docs_per_row != 1:
     raise ValueError(f"max_docs_per_row={max_docs_per_row} needs pack=True (a row without packing "
                      "holds one document)")
@@ -218,12 +243,13 @@ def make_dataset(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)[process_index::process_count]
   label_spec = getattr(records, "label_spec", SINGLE)
-  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer, label_spec.kind))
+  ds = ds.batch(tokenize_chunk, batch_fn=list).map(_Encode(tokenizer, label_spec.kind, chunks))
   it = ds.to_iter_dataset()
   if num_workers:
     _absl_flags_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  return PackedBatches(it, batch_size=batch_size, max_len=tokenizer.max_len, max_docs=max_docs_per_row,
+  return PackedBatches(it, batch_size=batch_size, max_len=tokenizer.max_len * (chunks or 1),
+                       max_docs=max_docs_per_row,
                        pad_id=tokenizer.pad_id, pack=pack, drop_remainder=drop_remainder,
                        label_spec=label_spec)
 
@@ -247,5 +273,7 @@ def make_batches(records: Sequence[dict], tokenizer: TextTokenizer, *, batch_siz
     num_workers: tokenize in this many worker processes (grain mp_prefetch); 0 = in this process.
       The batches are the same for every num_workers.
     tokenize_chunk: records per tokenizer call.
+    chunks: hierarchical documents: a row holds a document's first `chunks` windows as its segments
+      (the tokenizer's long_docs must be "windows"; pack=False).
   """
   return iter(make_dataset(records, tokenizer, batch_size=batch_size, **options))

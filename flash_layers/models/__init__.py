@@ -11,6 +11,7 @@
 
 from flash_layers.models import assets, pretrained
 from flash_layers.models.bert import (
+    CHUNK_POOLINGS,
     DTYPES,
     POOLINGS,
     REMAT_POLICIES,
@@ -29,6 +30,7 @@ from flash_layers.models.pretrained import (
     from_pretrained,
 )
 
-__all__ = ["DTYPES", "MODEL_TYPES", "POOLINGS", "POSITION_EXTENSIONS", "REMAT_POLICIES", "Bert",
+__all__ = ["CHUNK_POOLINGS", "DTYPES", "MODEL_TYPES", "POOLINGS", "POSITION_EXTENSIONS", "REMAT_POLICIES",
+           "Bert",
            "CheckpointError", "ModernBert", "assets", "document_mask", "extend_positions",
            "from_pretrained", "init_params", "param_axes", "positions_from_segments", "pretrained"]

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from flash_layers.layers.linen import MultiHeadAttention
 
 POOLINGS = ("cls", "mean")
+# How a hierarchical document's chunk vectors become one (`Encoder.classify_chunks`).
+CHUNK_POOLINGS = ("mean", "max", "attention")
 # Compute dtypes a config may name (parameters stay float32).
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 REMAT_POLICIES: dict[str, Callable | None] = {
@@ -171,6 +173,34 @@ class Encoder(nn.Module):
     pooled = self.dropout(self.pool(hidden, segment_ids, max_docs), deterministic=deterministic)
     return self.classifier(pooled).astype(jnp.float32)
 
+  def classify_chunks(self, input_ids: jax.Array, segment_ids: jax.Array, positions: jax.Array, *,
+                      max_chunks: int, deterministic: bool = True) -> jax.Array:
+    """Logits [batch, 1, num_labels] of one document per row, read as chunks (hierarchical documents):
+    chunk c of a row is segment id c + 1, attends only to itself, and its positions restart at 0.
+    Each chunk is pooled as a document is (`pool`), the chunk vectors are combined by
+    `chunk_pooling` ("mean" or elementwise "max" over the row's chunks, or "attention": a softmax
+    over a learned score of each chunk vector), and the classifier reads the result."""
+    if self.num_labels is None:
+      raise ValueError("this model has no classification head; build it with num_labels=")
+    hidden = self.encode(input_ids, segment_ids, positions, None, deterministic)
+    chunks = self.pool(hidden, segment_ids.astype(jnp.int32), max_chunks)
+    present = document_mask(segment_ids.astype(jnp.int32), max_chunks).any(-1)  # [batch, chunks]
+    document = self.combine_chunks(chunks, present)
+    document = self.dropout(document, deterministic=deterministic)
+    return self.classifier(document[:, None, :]).astype(jnp.float32)
+
+  def combine_chunks(self, chunks: jax.Array, present: jax.Array) -> jax.Array:
+    """[batch, chunks, hidden] and [batch, chunks] bool -> [batch, hidden] (`classify_chunks`)."""
+    chunks = chunks.astype(jnp.float32)
+    if self.chunk_pooling == "max":
+      return jnp.max(jnp.where(present[..., None], chunks, -jnp.inf), axis=1)
+    if self.chunk_pooling == "attention":
+      scores = jnp.where(present, self.chunk_score(chunks)[..., 0].astype(jnp.float32), -jnp.inf)
+      weights = jax.nn.softmax(scores, axis=-1)
+    else:
+      weights = present / jnp.maximum(present.sum(-1, keepdims=True), 1)
+    return jnp.einsum("bc,bch->bh", weights, chunks)
+
   def tag(self, input_ids: jax.Array, segment_ids: jax.Array | None = None,
           positions: jax.Array | None = None, token_type_ids: jax.Array | None = None, *,
           deterministic: bool = True) -> jax.Array:
@@ -206,6 +236,8 @@ class Encoder(nn.Module):
     outs = [hidden]
     if self.num_labels is not None:
       outs.append(self.classify_hidden(hidden, jnp.ones(input_ids.shape, jnp.int32)))
+      if self.chunk_pooling == "attention":
+        outs.append(self.chunk_score(hidden))
     if self.mlm_head:
       outs.append(self.mlm_hidden(hidden))
     return outs
@@ -263,6 +295,7 @@ class Bert(Encoder):
   mlm_head: bool = False
   attention_window: int | None = None
   global_tokens: int = 0
+  chunk_pooling: str = "mean"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_len",
@@ -281,6 +314,8 @@ class Bert(Encoder):
       raise ValueError(f"num_labels must be a positive int or None; got {self.num_labels!r}")
     if self.pooling not in POOLINGS:
       raise ValueError(f"pooling must be one of {POOLINGS}; got {self.pooling!r}")
+    if self.chunk_pooling not in CHUNK_POOLINGS:
+      raise ValueError(f"chunk_pooling must be one of {CHUNK_POOLINGS}; got {self.chunk_pooling!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}; got {self.remat_policy!r}")
     for name in ("dropout_rate", "attention_dropout_rate"):
@@ -328,6 +363,8 @@ class Bert(Encoder):
       if self.pooling == "cls":
         self.pooler = dense(self.hidden_size, ("embed", None))
       self.classifier = dense(self.num_labels, ("embed", None))
+      if self.chunk_pooling == "attention":
+        self.chunk_score = dense(1, ("embed", None))
     if self.mlm_head:
       self.mlm_transform = dense(self.hidden_size, ("embed", None))
       self.mlm_norm = nn.LayerNorm(epsilon=self.layer_norm_eps, dtype=self.dtype,

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flash_layers.layers.linen import MultiHeadAttention
 from flash_layers.models.bert import (
     ACTIVATION_AXES,
+    CHUNK_POOLINGS,
     POOLINGS,
     REMAT_POLICIES,
     Encoder,
@@ -165,6 +166,7 @@ class ModernBert(Encoder):
   remat: bool = False
   remat_policy: str = "nothing_saveable"
   mlm_head: bool = False
+  chunk_pooling: str = "mean"
 
   def __post_init__(self):
     for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "mlp_dim", "max_len",
@@ -187,6 +189,8 @@ class ModernBert(Encoder):
       raise ValueError(f"num_labels must be a positive int or None; got {self.num_labels!r}")
     if self.pooling not in POOLINGS:
       raise ValueError(f"pooling must be one of {POOLINGS}; got {self.pooling!r}")
+    if self.chunk_pooling not in CHUNK_POOLINGS:
+      raise ValueError(f"chunk_pooling must be one of {CHUNK_POOLINGS}; got {self.chunk_pooling!r}")
     if self.remat_policy not in REMAT_POLICIES:
       raise ValueError(f"remat_policy must be one of {tuple(REMAT_POLICIES)}; got {self.remat_policy!r}")
     if not 0 <= self.dropout_rate < 1:
@@ -236,6 +240,10 @@ class ModernBert(Encoder):
       self.classifier = nn.Dense(self.num_labels, dtype=self.dtype, param_dtype=self.param_dtype,
                                  kernel_init=_init(self.hidden_size ** -0.5, cutoff, ("embed", None)),
                                  bias_init=_constant(0.0, (None,)))
+      if self.chunk_pooling == "attention":
+        self.chunk_score = nn.Dense(1, dtype=self.dtype, param_dtype=self.param_dtype,
+                                    kernel_init=_init(self.hidden_size ** -0.5, cutoff, ("embed", None)),
+                                    bias_init=_constant(0.0, (None,)))
     if self.mlm_head and self.decoder_bias:
       self.mlm_bias = self.param("mlm_bias", _constant(0.0, ("vocab",)), (self.vocab_size,),
                                  self.param_dtype)

@@ -69,6 +69,9 @@ def default_config() -> ml_collections.ConfigDict:
   # Document representation fed to the classifier: "cls" or "mean" (mean over
   # the document's tokens, masked by segment ids).
   m.pooling = "cls"
+  # data.long_documents="hierarchical": how a document's chunk vectors become one: "mean", "max"
+  # (elementwise), or "attention" (a softmax over a learned score of each chunk).
+  m.chunk_pooling = "mean"
   # Compute dtype: "float32" or "bfloat16" (params stay float32).
   m.dtype = "float32"
   # Rematerialize each block in the backward pass (saves activation memory).
@@ -123,8 +126,13 @@ def default_config() -> ml_collections.ConfigDict:
   d.tokenizer = ""
   # Long documents: "truncate" to max_len, or split into "windows" (each window
   # is then a training example with the document's label; evaluation and
-  # prediction combine a document's windows into one prediction).
+  # prediction combine a document's windows into one prediction), or
+  # "hierarchical": a row holds one document's first max_chunks windows of max_len
+  # tokens as its segments, each pooled, the chunk vectors combined by
+  # model.chunk_pooling and classified end to end (not for token classification
+  # or masked LM; packing off).
   d.long_documents = "truncate"
+  d.max_chunks = 8
   d.window_stride = 0  # tokens shared by consecutive windows
   # How a document's window logits are combined: "mean" or elementwise "max".
   d.window_aggregation = "mean"
@@ -380,7 +388,16 @@ def _validate_checkpoint(config: ml_collections.ConfigDict) -> None:
 
 def _validate_data(config: ml_collections.ConfigDict, check_data: bool) -> None:
   d = config.data
-  _choice(d.long_documents, "data.long_documents", data_lib.LONG_DOCS)
+  _choice(d.long_documents, "data.long_documents", (*data_lib.LONG_DOCS, "hierarchical"))
+  if d.long_documents == "hierarchical":
+    _positive_int(config, "data.max_chunks")
+    _choice(config.model.chunk_pooling, "model.chunk_pooling", models.CHUNK_POOLINGS)
+    if config.task in ("token_classification", "masked_lm"):
+      _fail("data.long_documents", f"'hierarchical' is for the document tasks; task {config.task!r} reads "
+            "'truncate' or 'windows'")
+    if d.packing:
+      _fail("data.packing", "must be False with data.long_documents='hierarchical' (a row holds one "
+            "document's chunks)")
   _choice(d.window_aggregation, "data.window_aggregation", data_lib.AGGREGATIONS)
   _positive_int(config, "data.max_docs_per_row")
   if not isinstance(d.eval_packing, bool):

@@ -134,9 +134,16 @@ def tokenizer_path(config: ml_collections.ConfigDict) -> str:
                     "(model.pretrained is None); e.g. 'minilm' or a tokenizer.json")
 
 
+def hierarchical_chunks(config) -> int | None:
+  """data.max_chunks with data.long_documents="hierarchical", else None."""
+  return config.data.max_chunks if config.data.long_documents == "hierarchical" else None
+
+
 def make_tokenizer(config) -> data_lib.TextTokenizer:
+  """max_len tokens per window; a hierarchical document's chunks are its windows."""
+  long_docs = "windows" if hierarchical_chunks(config) else config.data.long_documents
   return data_lib.TextTokenizer(tokenizer_path(config), max_len=config.model.max_len,
-                                long_docs=config.data.long_documents, stride=config.data.window_stride)
+                                long_docs=long_docs, stride=config.data.window_stride)
 
 
 def local_batch_size(global_batch: int) -> int:
@@ -160,8 +167,8 @@ def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None,
   """This process's rows of the evaluation/prediction batches: every document once, packed and
   bucketed by length (data.eval_plan), or one per max_len row with data.eval_packing=False."""
   d = config.data
-  buckets = (eval_plan.length_buckets(tokenizer.max_len, eval_granule(mesh)) if d.eval_packing
-             else (tokenizer.max_len,))
+  row_len = tokenizer.max_len * (hierarchical_chunks(config) or 1)
+  buckets = (eval_plan.length_buckets(row_len, eval_granule(mesh)) if d.eval_packing else (row_len,))
   # Rows of a batch are sharded over the mesh's batch axes, so a batch of fewer rows (long rows,
   # eval_plan.rows_per_batch) keeps a multiple of their size.
   batch_shards = math.prod(mesh.shape.get(a, 1) for a in BATCH_AXES) if mesh is not None else 1
@@ -174,7 +181,8 @@ def planned_eval_batches(config, texts, labels, tokenizer, mesh: Mesh | None,
                                 max_docs_per_row=d.max_docs_per_row, pack=d.eval_packing, buckets=buckets,
                                 row_tokens=eval_plan.ROW_TOKENS if d.eval_packing else None,
                                 row_multiple=batch_shards, process_index=jax.process_index(),
-                                process_count=jax.process_count(), label_spec=label_spec)
+                                process_count=jax.process_count(), label_spec=label_spec,
+                                chunks=hierarchical_chunks(config))
 
 
 def sample_documents(records, max_batches: int | None, global_batch: int) -> list[int]:
@@ -196,7 +204,10 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   """(model, pretrained params as host numpy arrays, or None when training from scratch)."""
   m = config.model
   common = dict(impl=m.impl, context_parallel=m.context_parallel, pooling=m.pooling,
-                dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype], remat=m.remat)
+                dropout_rate=m.dropout_rate, dtype=models.DTYPES[m.dtype], remat=m.remat,
+                chunk_pooling=m.chunk_pooling)
+  # A hierarchical row holds max_chunks windows of max_len tokens (positions restart in each).
+  max_len = m.max_len * (hierarchical_chunks(config) or 1)
   if m.attention_window is not None:  # only BERT/RoBERTa take these (ModernBERT: its config's window)
     common.update(attention_window=m.attention_window, global_tokens=m.global_tokens)
   # The resolved rate goes to every model that has the field, 0.0 included (0.0 means off, not "the
@@ -209,7 +220,7 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
     num_labels = None
     common["mlm_head"] = True
   if m.pretrained:
-    model, params = models.from_pretrained(m.pretrained, max_len=m.max_len, num_labels=num_labels,
+    model, params = models.from_pretrained(m.pretrained, max_len=max_len, num_labels=num_labels,
                                            position_extension=m.position_extension, seed=config.seed,
                                            **common)
     return model, jax.tree.map(np.asarray, params)
@@ -217,7 +228,7 @@ def build_model(config: ml_collections.ConfigDict, num_labels: int, vocab_size: 
   if not vocab_size:
     raise ConfigError("config.model.vocab_size: needed to build a model from scratch without a tokenizer")
   model = models.Bert(vocab_size=vocab_size, hidden_size=m.hidden_size, num_layers=m.num_layers,
-                      num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=m.max_len, num_labels=num_labels,
+                      num_heads=m.num_heads, mlp_dim=m.mlp_dim, max_len=max_len, num_labels=num_labels,
                       **common)
   return model, None
 
@@ -260,13 +271,18 @@ def init_from_run(config: ml_collections.ConfigDict, model, params) -> dict:
   return out
 
 
-def make_logits_fn(model: models.Bert, *, per_token: bool = False, mlm: bool = False):
+def make_logits_fn(model: models.Bert, *, per_token: bool = False, mlm: bool = False,
+                   chunks: int | None = None):
   """Called under sharding.sharding_context (the mesh and logical rules are set by the caller).
   Logits per document slot [batch, docs, C], or with `per_token` per token [batch, length, C], or
-  with `mlm` the masked-LM head's [batch, length, vocab]."""
+  with `mlm` the masked-LM head's [batch, length, vocab], or with `chunks` one document per row read
+  as that many chunks [batch, 1, C] (hierarchical)."""
   def logits_fn(params, batch, *, train: bool, rng):
     rngs = {"dropout": rng} if train else {}
     args = (batch["input_ids"], batch["segment_ids"], batch["positions"])
+    if chunks:
+      return model.apply({"params": params}, *args, max_chunks=chunks, deterministic=not train, rngs=rngs,
+                         method=model.classify_chunks)
     if mlm:
       return model.apply({"params": params}, *args, deterministic=not train, rngs=rngs, method=model.mlm)
     if per_token:
@@ -321,7 +337,7 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
     if pretrained is None:
       pretrained = jax.tree.map(np.asarray, models.init_params(model, jax.random.key(config.seed)))
     pretrained = init_from_run(config, model, pretrained)
-  seq_len = config.model.max_len
+  seq_len = config.model.max_len * (hierarchical_chunks(config) or 1)  # a row's tokens
 
   def init_params():
     return models.init_params(model, jax.random.key(config.seed), boxed=True)
@@ -332,7 +348,7 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
     train_batches = data_lib.make_batches(
       train_records, tokenizer, batch_size=local_batch_size(config.train.batch_size), pack=d.packing,
       max_docs_per_row=d.max_docs_per_row if d.packing else None, shuffle=d.shuffle, seed=config.seed,
-      num_epochs=None, num_workers=d.num_workers)
+      num_epochs=None, num_workers=d.num_workers, chunks=hierarchical_chunks(config))
 
   # The split evaluated (dev while training, data.eval_split in eval.py) is read now: a mistake in
   # its file then stops the run before anything compiles, not at the first evaluation.
@@ -355,8 +371,8 @@ def build_task(config: ml_collections.ConfigDict, mesh: Mesh | None, *, with_tra
   def predict_batches(texts: list[str]) -> list[dict]:
     return planned_eval_batches(config, texts, None, tokenizer, mesh, objective.label_spec)
 
-  return Task(logits_fn=make_logits_fn(model, per_token=objective.per_token,
-                                       mlm=config.task == "masked_lm"), init_params=init_params,
+  return Task(logits_fn=make_logits_fn(model, per_token=objective.per_token, mlm=config.task == "masked_lm",
+                                       chunks=hierarchical_chunks(config)), init_params=init_params,
               pretrained_params=pretrained,
               label_names=label_names, train_batches=train_batches, eval_batches=eval_batches,
               predict_batches=predict_batches,
