@@ -723,7 +723,7 @@ def test_gradient_accumulation_matches_one_big_batch():
                                           ("long_docs", 8), ("modernbert_long", 8), ("tpu_pod", 64),
                                           ("tpu_multislice", 128), ("tiny", 1), ("multi_label", 1),
                                           ("regression", 1), ("token_classification", 1),
-                                          ("continued_pretraining", 8)])
+                                          ("continued_pretraining", 8), ("hierarchical", 1)])
 def test_shipped_configs_are_valid(name, devices):
   sys.path.insert(0, str(REPO))
   try:

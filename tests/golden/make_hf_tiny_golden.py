@@ -1,4 +1,4 @@
-"""Make tests/golden/hf_tiny/: tiny random RoBERTa, XLM-RoBERTa and ModernBERT checkpoints, with
+"""Make tests/golden/hf_tiny/: tiny random BERT, RoBERTa, XLM-RoBERTa and ModernBERT checkpoints, with
 Hugging Face transformers' outputs on them.
 
 Run ONCE, in a separate virtualenv that has torch and transformers (the project itself never needs
@@ -14,7 +14,7 @@ and golden.npz:
   last_hidden_state [docs, len, hidden], mlm_logits [docs, len, vocab]: transformers on that batch;
   doc_hidden [tokens, hidden], doc_mlm_logits [tokens, vocab]: transformers on each document
     alone (no padding), concatenated in document order;
-  RoBERTa: pooler_output / doc_pooler [docs, hidden] (the tanh pooler over the first token);
+  BERT, RoBERTa: pooler_output / doc_pooler [docs, hidden] (the tanh pooler over the first token);
   ModernBERT: cls_logits / mean_logits (and doc_ versions) [docs, labels] of
     ModernBertForSequenceClassification with classifier_pooling "cls" / "mean", whose classifier
     is classifier_weight [labels, hidden] and classifier_bias [labels] (the checkpoint itself
@@ -45,6 +45,8 @@ MODERNBERT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidde
 MODERNBERT_BIAS = dict(MODERNBERT, norm_bias=True, attention_bias=True, mlp_bias=True, classifier_bias=True,
                        hidden_activation="gelu_pytorch_tanh", global_rope_theta=500.0, local_rope_theta=50.0,
                        local_attention=6)
+BERT = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=40, type_vocab_size=2, initializer_range=0.2, pad_token_id=0)
 ROBERTA = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                num_attention_heads=4, max_position_embeddings=40, type_vocab_size=1, layer_norm_eps=1e-5,
                initializer_range=0.2, pad_token_id=1, bos_token_id=0, eos_token_id=2)
@@ -87,21 +89,26 @@ def f32(x):
 
 
 def make_roberta(name: str, model_type: str, seed: int, **overrides):
+  """A RoBERTa (or XLM-R, or with model_type "bert" a BERT) checkpoint with its masked-LM head."""
   kinds = {"roberta": (transformers.RobertaConfig, transformers.RobertaModel,
                        transformers.RobertaForMaskedLM),
            "xlm-roberta": (transformers.XLMRobertaConfig, transformers.XLMRobertaModel,
-                           transformers.XLMRobertaForMaskedLM)}
+                           transformers.XLMRobertaForMaskedLM),
+           "bert": (transformers.BertConfig, transformers.BertModel, transformers.BertForMaskedLM)}
   config_cls, model_cls, mlm_cls = kinds[model_type]
   torch.manual_seed(seed)
-  config = config_cls(**{**ROBERTA, **overrides}, attn_implementation="eager")
+  fields = BERT if model_type == "bert" else ROBERTA
+  config = config_cls(**{**fields, **overrides}, attn_implementation="eager")
   mlm = mlm_cls(config).eval()
   perturb(mlm, seed)
   base = model_cls(config, add_pooling_layer=True).eval()
   perturb(base.pooler, seed + 1)
-  base.load_state_dict(mlm.roberta.state_dict(), strict=False)  # the MLM's encoder, plus a pooler
-  tensors = {"roberta." + k: v for k, v in base.state_dict().items()}
-  tensors.update({k: v for k, v in mlm.state_dict().items() if k.startswith("lm_head.")
-                  and not k.startswith("lm_head.decoder.")})  # the decoder is tied to the embeddings
+  encoder = mlm.bert if model_type == "bert" else mlm.roberta
+  base.load_state_dict(encoder.state_dict(), strict=False)  # the MLM's encoder, plus a pooler
+  prefix, head = ("bert.", "cls.predictions.") if model_type == "bert" else ("roberta.", "lm_head.")
+  tensors = {prefix + k: v for k, v in base.state_dict().items()}
+  tensors.update({k: v for k, v in mlm.state_dict().items() if k.startswith(head)
+                  and not k.startswith(head + "decoder.")})  # the decoder is tied to the embeddings
   docs = documents(config.vocab_size, seed)
   ids, mask = padded(docs, config.pad_token_id)
   golden = {"input_ids": ids.numpy().astype(np.int32), "attention_mask": mask.numpy().astype(np.int32)}
@@ -156,6 +163,7 @@ def main():
   parser.parse_args()
   torch.use_deterministic_algorithms(True)
   make_roberta("roberta", "roberta", seed=1)
+  make_roberta("bert", "bert", seed=5)
   make_roberta("xlm_roberta", "xlm-roberta", seed=2, pad_token_id=0)  # offset 1, not RoBERTa's 2
   make_modernbert("modernbert", seed=3, fields=MODERNBERT)
   make_modernbert("modernbert_bias", seed=4, fields=MODERNBERT_BIAS)
