@@ -23,7 +23,7 @@ from ml_collections import config_flags
 
 from flash_layers.errors import UserError
 from flash_layers.models import pretrained
-from flash_layers.models.export import ExportError, check_exportable, export_model, model_type_of
+from flash_layers.models.export import ExportError, check_exportable, export_model, head_kind, model_type_of
 from flash_layers.training import checkpoint as checkpoint_lib
 from flash_layers.training import cli, evaluate, objectives, sharding
 from flash_layers.training import config as config_lib
@@ -69,7 +69,8 @@ def restore_run(workdir: str, *, config=None, checkpoint: str | int = "best") ->
     source = pretrained.read_config(pretrained.resolve_path(config.model.pretrained))
     source_type = source.get("model_type", "bert")
   model_type = model_type_of(task.model, source_type)
-  check_exportable(task.model, model_type, tokens=task.objective.per_token)  # before the params are read
+  kind = head_kind(task.objective.problem_type or task.objective.task)
+  check_exportable(task.model, model_type, kind=kind)  # before the params are read
   step, params, objective = evaluate.restore_params(config, workdir, task, mesh, which)
   return {"model": task.model, "params": jax.tree.map(np.asarray, params), "label_names": task.label_names,
           "tokenizer": task_lib.tokenizer_path(config), "config": config, "step": step,
@@ -118,8 +119,8 @@ def main(argv: list[str]) -> None:
     raise UserError(f"unexpected arguments {argv[1:]} (flags are --name=value)")
   out = export_to_transformers(FLAGS.workdir, FLAGS.out, config=FLAGS.config, checkpoint=FLAGS.checkpoint)
   architecture = json.loads((out / "config.json").read_text())["architectures"][0]
-  auto = "AutoModelFor" + ("TokenClassification" if "TokenClassification" in architecture else
-                           "SequenceClassification")
+  auto = "AutoModelFor" + next(k for k in ("TokenClassification", "MaskedLM", "SequenceClassification")
+                               if architecture.endswith(k))
   print(f"exported {FLAGS.workdir} ({FLAGS.checkpoint}) to {out}: {auto}.from_pretrained({str(out)!r})")
 
 

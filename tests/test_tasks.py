@@ -702,6 +702,17 @@ def test_masked_lm_trains_evaluates_and_resumes_bitwise(mlm_run, tmp_path):
   assert resumed == losses
   with pytest.raises(Exception, match="--predict: task 'masked_lm' predicts no labels"):
     evaluate_lib.evaluate_checkpoint(config, str(workdir), predict=str(texts))
+  # Export: transformers' BertForMaskedLM, read back by our importer with the same masked-LM logits.
+  out = export.export_to_transformers(str(workdir), tmp_path / "hf", checkpoint="latest")
+  hf = json.loads((out / "config.json").read_text())
+  assert hf["architectures"] == ["BertForMaskedLM"] and "num_labels" not in hf
+  run = export.restore_run(str(workdir), checkpoint="latest")
+  reloaded, params = models.from_pretrained(str(out), impl="reference", mlm_head=True, dropout_rate=0.0)
+  ids = np.array([[101, 2000, 103, 2002, 102, 0]], np.int32)
+  seg = np.array([[1, 1, 1, 1, 1, 0]], np.int32)
+  ours = run["model"].clone(impl="reference").apply({"params": run["params"]}, ids, seg, method="mlm")
+  theirs = reloaded.apply({"params": params}, ids, seg, method="mlm")
+  np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-4, atol=1e-4)
 
 
 def test_init_from_starts_a_task_from_a_masked_lm_run_with_its_positions_extended(mlm_run, tmp_path):

@@ -66,6 +66,18 @@ TOKEN_ARCHITECTURES = {"bert": "BertForTokenClassification", "roberta": "Roberta
 _TOKEN_HEADS = {"bert": {"classifier": "classifier"}, "roberta": {"classifier": "classifier"},
                 "xlm-roberta": {"classifier": "classifier"}, "modernbert": _HEADS["modernbert"]}
 TOKEN_CLASSIFICATION = "token_classification"
+# Masked LM (`problem_type="masked_lm"`): transformers' *ForMaskedLM, the encoder (no pooler) and the
+# masked-LM head, its decoder tied to the word embeddings.
+MASKED_LM = "masked_lm"
+MLM_ARCHITECTURES = {"bert": "BertForMaskedLM", "roberta": "RobertaForMaskedLM",
+                     "xlm-roberta": "XLMRobertaForMaskedLM", "modernbert": "ModernBertForMaskedLM"}
+_MLM_HEADS = {"modernbert": {"head_dense": "head.dense", "head_norm": "head.norm"}}
+_ARCHITECTURES = {"sequence": ARCHITECTURES, "token": TOKEN_ARCHITECTURES, "mlm": MLM_ARCHITECTURES}
+
+
+def head_kind(problem_type: str) -> str:
+  """Which transformers class a problem type exports to: "sequence", "token" or "mlm"."""
+  return {TOKEN_CLASSIFICATION: "token", MASKED_LM: "mlm"}.get(problem_type, "sequence")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 _COPIED_VOCAB = ("vocab.txt", "vocab.json", "merges.txt")  # slow-tokenizer files, copied when present
 # Special tokens by role, in BERT's and RoBERTa's spellings, for a tokenizer with no tokenizer_config.
@@ -90,12 +102,15 @@ def model_type_of(model: Bert | ModernBert, source_model_type: str | None = None
   return source_model_type if source_model_type in ("roberta", "xlm-roberta") else "roberta"
 
 
-def check_exportable(model: Bert | ModernBert, model_type: str, *, tokens: bool = False) -> None:
+def check_exportable(model: Bert | ModernBert, model_type: str, *, kind: str = "sequence") -> None:
   """ExportError (a ValueError) naming the field unless transformers' class for `model_type` computes
-  what `model` does (`tokens`: its *ForTokenClassification, which pools nothing)."""
+  what `model` does (`kind` "token": its *ForTokenClassification, which pools nothing; "mlm": its
+  *ForMaskedLM)."""
   if model_type not in MODEL_TYPES:
     raise ExportError(f"model_type must be one of {MODEL_TYPES}; got {model_type!r}")
-  if model.num_labels is None:
+  if kind == "mlm" and not model.mlm_head:
+    raise ExportError("the model has no masked-LM head (mlm_head=False): nothing for AutoModelForMaskedLM")
+  if kind != "mlm" and model.num_labels is None:
     raise ExportError("the model has no classification head (num_labels=None): nothing for "
                      "AutoModelForSequenceClassification to load")
   if model_type == "modernbert":
@@ -107,7 +122,7 @@ def check_exportable(model: Bert | ModernBert, model_type: str, *, tokens: bool 
   if (model_type == "bert") != (model.position_offset == 0):
     raise ExportError(f"model_type {model_type!r} does not fit position_offset={model.position_offset} "
                      "(BERT reads positions from row 0; RoBERTa after its padding_idx)")
-  if model.pooling != "cls" and not tokens:
+  if model.pooling != "cls" and kind == "sequence":
     raise ExportError(f"model.pooling={model.pooling!r} cannot be exported: transformers' "
                      f"{ARCHITECTURES[model_type]} always classifies the first token through a dense + tanh "
                      "pooler, so it would give other logits; train with model.pooling='cls' (ModernBERT "
@@ -143,23 +158,29 @@ def _leaves(params) -> dict[tuple[str, ...], np.ndarray]:
 
 
 def hf_tensors(model: Bert | ModernBert, params, model_type: str, *,
-               tokens: bool = False) -> dict[str, np.ndarray]:
+               kind: str = "sequence") -> dict[str, np.ndarray]:
   """{transformers' tensor name: float32 array} of `model_type`'s *ForSequenceClassification
-  (`tokens`: *ForTokenClassification).
+  (`kind` "token": *ForTokenClassification; "mlm": *ForMaskedLM).
 
-  The masked-LM head, if the model has one, is left out: the classification class has none."""
-  check_exportable(model, model_type, tokens=tokens)
+  A classifier exports without the masked-LM head, a masked LM without the classifier and pooler."""
+  check_exportable(model, model_type, kind=kind)
   if model_type == "modernbert":
     names = hf_modernbert.tensor_names(model.num_layers, model.hidden_size, model.mlp_dim)
     encoder_prefixes = hf_modernbert.ENCODER_PREFIXES
   else:
     names = {p: (n, None) for p, n in hf_bert.tensor_names(model.num_layers, model_type).items()}
     encoder_prefixes = hf_bert.ENCODER_PREFIXES
-  heads = (_TOKEN_HEADS if tokens else _HEADS)[model_type]
-  architecture = (TOKEN_ARCHITECTURES if tokens else ARCHITECTURES)[model_type]
+  heads = {"sequence": _HEADS, "token": _TOKEN_HEADS, "mlm": _MLM_HEADS}[kind].get(model_type, {})
+  architecture = _ARCHITECTURES[kind][model_type]
   pieces: dict[str, list[tuple[int, np.ndarray]]] = {}
   for path, value in _leaves(params).items():
-    if path[0].startswith("mlm") or (tokens and path[0] == "pooler"):
+    if kind == "mlm":
+      if path[0] in ("pooler", "classifier", "chunk_score"):
+        continue
+      if path[0].startswith("mlm") and path in names:  # the head, under its checkpoint names
+        pieces.setdefault(names[path][0], []).append((0, _to_torch(path, value)))
+        continue
+    elif path[0].startswith("mlm") or path[0] == "chunk_score" or (kind == "token" and path[0] == "pooler"):
       continue
     if path not in names:
       raise ValueError(f"param {'/'.join(path)} has no {model_type} tensor name")
@@ -186,7 +207,7 @@ def _labels(label_names: Sequence, num_labels: int) -> tuple[dict, dict]:
 
 
 PROBLEM_TYPES = ("single_label_classification", "multi_label_classification", "regression",
-                 TOKEN_CLASSIFICATION)
+                 TOKEN_CLASSIFICATION, MASKED_LM)
 
 
 def fold_standardization(params, mean: Sequence[float], std: Sequence[float]):
@@ -203,11 +224,11 @@ def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
               thresholds: Sequence[float] | None = None) -> dict[str, Any]:
   """config.json for `model_type`'s *ForSequenceClassification, every field our importer reads
   (flash_layers.models.hf_bert / hf_modernbert) and transformers' class honours."""
-  tokens = problem_type == TOKEN_CLASSIFICATION
-  check_exportable(model, model_type, tokens=tokens)
+  kind = head_kind(problem_type)
+  check_exportable(model, model_type, kind=kind)
   if problem_type not in PROBLEM_TYPES:
     raise ExportError(f"problem_type must be one of {PROBLEM_TYPES}; got {problem_type!r}")
-  id2label, label2id = _labels(label_names, model.num_labels)
+  id2label, label2id = _labels(label_names, model.num_labels) if kind != "mlm" else ({}, {})
   ids = {f"{role[:-len('_token')]}_token_id": i for role, i in (token_ids or {}).items()}
   task_fields = {}
   if thresholds is not None:
@@ -215,11 +236,12 @@ def hf_config(model: Bert | ModernBert, model_type: str, label_names: Sequence,
       raise ExportError(f"thresholds: one per label, for problem_type 'multi_label_classification' only; "
                         f"got {len(thresholds)} for {problem_type!r} with {model.num_labels} labels")
     task_fields["thresholds"] = [float(t) for t in thresholds]
-  if not tokens:
-    task_fields["problem_type"] = problem_type  # transformers has none for token classification
-  architecture = (TOKEN_ARCHITECTURES if tokens else ARCHITECTURES)[model_type]
-  common = {"architectures": [architecture], "model_type": model_type, "id2label": id2label,
-            "label2id": label2id, "num_labels": model.num_labels,
+  if kind == "sequence":
+    task_fields["problem_type"] = problem_type  # transformers has none for tokens or masked LM
+  if kind != "mlm":
+    task_fields.update(id2label=id2label, label2id=label2id, num_labels=model.num_labels)
+  architecture = _ARCHITECTURES[kind][model_type]
+  common = {"architectures": [architecture], "model_type": model_type,
             **task_fields, "dtype": "float32",
             "vocab_size": model.vocab_size, "hidden_size": model.hidden_size,
             "num_hidden_layers": model.num_layers, "num_attention_heads": model.num_heads,
@@ -327,18 +349,19 @@ def export_model(model: Bert | ModernBert, params, out_dir: str | pathlib.Path, 
       (config.model.max_len; the model may take more: a pretrained position table is never cut);
       None = the model's max_len.
     problem_type: transformers' ("single_label_classification", "multi_label_classification",
-      "regression"), or "token_classification" for its *ForTokenClassification;
+      "regression"), or "token_classification" for its *ForTokenClassification, "masked_lm" for its
+      *ForMaskedLM (label_names then empty);
     thresholds: multi-label decision thresholds, one per label, written to config.json.
     standardization: (mean, std) per regression target, folded into the classifier (module doc).
   """
   model_type = model_type or model_type_of(model)
-  tokens = problem_type == TOKEN_CLASSIFICATION
-  check_exportable(model, model_type, tokens=tokens)
+  kind = head_kind(problem_type)
+  check_exportable(model, model_type, kind=kind)
   if standardization is not None:
     if problem_type != "regression":
       raise ExportError(f"standardization is for problem_type 'regression'; got {problem_type!r}")
     params = fold_standardization(params, *standardization)
-  tensors = hf_tensors(model, params, model_type, tokens=tokens)
+  tensors = hf_tensors(model, params, model_type, kind=kind)
   out = pathlib.Path(out_dir)
   if (out / "config.json").exists():
     raise FileExistsError(f"{out} already holds an export (config.json); choose another directory")
