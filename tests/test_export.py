@@ -267,3 +267,41 @@ def test_cli_bad_arguments_give_one_line_naming_them(tiny_run, tmp_path):
     assert named in lines[-1] and hint in lines[-1], result.stderr[-3000:]
     assert "Traceback" not in result.stderr, result.stderr[-3000:]
   assert not (tmp_path / "never").exists()
+
+
+def test_every_task_head_exports_and_reads_back(tmp_path):
+  """The task heads of export_model, each written and read back by our importer: a multi-label
+  classifier with its thresholds, a regression head with its standardization folded in (outputs in
+  target units), a token classifier (no pooler; per-token logits), a masked LM (its head, tied decoder)."""
+  model = _bert(mlm_head=True)
+  params = _random_params(model)
+  ids, seg = _batch(LISTOPS_VOCAB, 24)
+  ours = _logits(model, params, ids, seg)
+  out = export.export_model(model, params, tmp_path / "multi", label_names=LABELS, tokenizer=None,
+                            problem_type="multi_label_classification", thresholds=[0.3, 0.5, 0.7])
+  config = json.loads((out / "config.json").read_text())
+  assert config["problem_type"] == "multi_label_classification" and config["thresholds"] == [0.3, 0.5, 0.7]
+  back, back_params = models.from_pretrained(out, num_labels=3, impl="reference")
+  np.testing.assert_allclose(_logits(back, back_params, ids, seg), ours, rtol=1e-5, atol=1e-5)
+  mean, std = np.array([10.0, -2.0, 0.5]), np.array([3.0, 0.5, 2.0])
+  out = export.export_model(model, params, tmp_path / "regression", label_names=["a", "b", "c"],
+                            tokenizer=None, problem_type="regression", standardization=(mean, std))
+  back, back_params = models.from_pretrained(out, num_labels=3, impl="reference")
+  np.testing.assert_allclose(_logits(back, back_params, ids, seg), ours * std + mean, rtol=1e-5, atol=1e-4)
+  out = export.export_model(model, params, tmp_path / "tokens", label_names=LABELS, tokenizer=None,
+                            problem_type="token_classification")
+  assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForTokenClassification"]
+  assert not any(name.startswith("bert.pooler") for name in load_file(str(out / "model.safetensors")))
+  back, back_params = models.from_pretrained(out, num_labels=3, impl="reference", pooling="mean")
+  tag = lambda m, p: np.asarray(m.apply({"params": p}, jnp.asarray(ids), jnp.asarray(seg), method="tag"))
+  np.testing.assert_allclose(tag(back, back_params), tag(model, params), rtol=1e-5, atol=1e-5)
+  out = export.export_model(model, params, tmp_path / "mlm", label_names=[], tokenizer=None,
+                            problem_type="masked_lm")
+  tensors = load_file(str(out / "model.safetensors"))
+  assert "cls.predictions.transform.dense.weight" in tensors and "classifier.weight" not in tensors
+  back, back_params = models.from_pretrained(out, impl="reference", mlm_head=True)
+  mlm = lambda m, p: np.asarray(m.apply({"params": p}, jnp.asarray(ids), jnp.asarray(seg), method="mlm"))
+  np.testing.assert_allclose(mlm(back, back_params), mlm(model, params), rtol=1e-5, atol=1e-5)
+  with pytest.raises(model_export.ExportError, match="thresholds: one per label"):
+    export.export_model(model, params, tmp_path / "bad", label_names=LABELS, tokenizer=None,
+                        problem_type="regression", thresholds=[0.5] * 3)
