@@ -30,9 +30,11 @@ CASES = [("reference", None), ("xla_native", None), ("xla_chunked", None), ("fla
          ("xla_dense", None)]
 # Every impl on one checkpoint of each architecture; the variants (XLM-R's other offset, ModernBERT
 # with biases, tanh-GELU, its own rotary bases and a narrower window) change only impl-independent
-# code, so they run on the reference and on flash_pallas (whose tiles see the other window).
+# code, so they run on the reference and on flash_pallas (whose tiles see the other window). BERT
+# (its cls.predictions masked-LM head; RoBERTa's layout with no position offset) on two impls.
 RUNS = ([(case, name) for name in ("roberta", "modernbert") for case in CASES]
-        + [(CASES[0], "xlm_roberta"), (CASES[0], "modernbert_bias"), (CASES[3], "modernbert_bias")])
+        + [(CASES[0], "xlm_roberta"), (CASES[0], "modernbert_bias"), (CASES[3], "modernbert_bias"),
+           (CASES[0], "bert"), (CASES[2], "bert")])
 ROW = 64  # packed rows: documents 0 + 3 (24 + 31 tokens), then 1 + 2 (7 + 15)
 PACKING = ((0, 3), (1, 2))
 TOL = 1e-4
