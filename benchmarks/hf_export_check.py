@@ -19,6 +19,13 @@ token ids, labels and our logits. Step 2 loads the export with `AutoTokenizer` a
 `AutoModelForSequenceClassification`, tokenizes the same texts (truncation at the same length),
 and records whether the token ids are identical, the largest |logit difference|, whether the
 predictions agree, transformers' accuracy, and the versions.
+
+The task heads (multi-label with its thresholds, regression with its standardization folded in, token
+classification, masked LM), on a small random BERT, the same two ways:
+
+    python -m benchmarks.hf_export_check heads-ours --out /tmp/heads
+    /tmp/hfvenv/bin/python benchmarks/hf_export_check.py heads-theirs --dir /tmp/heads \\
+        --out benchmarks/results/hf-export-heads-<date>.json
 """
 
 from __future__ import annotations
@@ -104,6 +111,79 @@ def theirs(export_dir: str, ours_file: pathlib.Path, out: pathlib.Path | None) -
   return result
 
 
+HEADS = {  # export_model's problem_type -> (transformers' Auto class, what our model computes)
+    "multi_label_classification": ("AutoModelForSequenceClassification", "classify"),
+    "regression": ("AutoModelForSequenceClassification", "classify"),
+    "token_classification": ("AutoModelForTokenClassification", "tag"),
+    "masked_lm": ("AutoModelForMaskedLM", "mlm"),
+}
+
+
+def heads_ours(out: pathlib.Path) -> None:
+  """Step 1 of the task-head check (project environment): a small random BERT with every head, exported
+  once per task head, and our outputs on padded rows, one document each."""
+  import jax
+  import jax.numpy as jnp
+
+  from flash_layers import models
+  from flash_layers.models.export import export_model
+
+  model = models.Bert(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=40,
+                      num_labels=3, impl="reference", mlm_head=True, dropout_rate=0.0)
+  params = models.init_params(model, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda x: np.asarray(x) + rng.normal(0, 0.05, np.shape(x)).astype(np.float32), params)
+  lengths = [40, 23, 9]
+  ids = np.zeros((3, 40), np.int32)
+  for r, n in enumerate(lengths):
+    ids[r, :n] = rng.integers(5, 200, n)
+  seg = (np.arange(40)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
+  mean, std = [2.0, -1.0, 0.5], [3.0, 0.5, 1.5]
+  saved = {"input_ids": ids, "attention_mask": seg}
+  for problem, (_, method) in HEADS.items():
+    extra = {"thresholds": [0.3, 0.5, 0.8]} if problem == "multi_label_classification" else {}
+    if problem == "regression":
+      extra["standardization"] = (mean, std)
+    export_model(model, params, out / problem, label_names=[] if problem == "masked_lm" else ["a", "b", "c"],
+                 tokenizer=None, problem_type=problem, **extra)
+    logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(seg), method=method))
+    if method == "classify":
+      logits = logits[:, 0]
+    if problem == "regression":
+      logits = logits * np.asarray(std) + np.asarray(mean)  # the folded head's outputs
+    saved[problem] = logits
+  np.savez(out / "ours.npz", **saved)
+  print(f"exported {sorted(HEADS)} and our outputs to {out}")
+
+
+def heads_theirs(directory: pathlib.Path, out: pathlib.Path | None) -> dict:
+  """Step 2 (virtualenv with torch + transformers): each export loaded by its Auto class, compared."""
+  import torch
+  import transformers
+
+  saved = np.load(directory / "ours.npz")
+  ids, mask = torch.tensor(saved["input_ids"]).long(), torch.tensor(saved["attention_mask"]).long()
+  result = {"date": datetime.date.today().isoformat(), "heads": {},
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
+  for problem, (auto, _) in HEADS.items():
+    loader = getattr(transformers, auto)
+    model, loading = loader.from_pretrained(directory / problem, output_loading_info=True)
+    model.eval()
+    with torch.no_grad():
+      logits = model(input_ids=ids, attention_mask=mask).logits.numpy().astype(np.float64)
+    real = saved["attention_mask"] > 0 if logits.ndim == 3 else np.ones(len(logits), bool)
+    delta = np.abs(logits - saved[problem])[real]
+    result["heads"][problem] = {
+        "model_class": type(model).__name__, "problem_type": model.config.problem_type,
+        "thresholds": getattr(model.config, "thresholds", None),
+        "missing_keys": sorted(loading["missing_keys"]),
+        "unexpected_keys": sorted(loading["unexpected_keys"]), "max_abs_diff": float(delta.max())}
+  print(json.dumps(result, indent=1))
+  if out is not None:
+    out.write_text(json.dumps(result, indent=1) + "\n")
+  return result
+
+
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   steps = parser.add_subparsers(dest="step", required=True)
@@ -115,11 +195,20 @@ def main(argv: list[str] | None = None) -> None:
   second.add_argument("--export", required=True, help="the directory flash_layers.export wrote")
   second.add_argument("--ours", type=pathlib.Path, required=True, help="step 1's .npz")
   second.add_argument("--out", type=pathlib.Path, default=None, help="write the result as JSON here")
+  third = steps.add_parser("heads-ours", help="the task heads, step 1 (project environment): export and ours")
+  third.add_argument("--out", type=pathlib.Path, required=True, help="a directory to write")
+  fourth = steps.add_parser("heads-theirs", help="the task heads, step 2 (torch + transformers): compare")
+  fourth.add_argument("--dir", type=pathlib.Path, required=True, help="step 1's directory")
+  fourth.add_argument("--out", type=pathlib.Path, default=None, help="write the result as JSON here")
   args = parser.parse_args(argv)
   if args.step == "ours":
     ours(args.workdir, args.out, args.checkpoint)
-  else:
+  elif args.step == "theirs":
     theirs(args.export, args.ours, args.out)
+  elif args.step == "heads-ours":
+    heads_ours(args.out)
+  else:
+    heads_theirs(args.dir, args.out)
 
 
 if __name__ == "__main__":
