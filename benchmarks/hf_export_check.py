@@ -21,7 +21,7 @@ and records whether the token ids are identical, the largest |logit difference|,
 predictions agree, transformers' accuracy, and the versions.
 
 The task heads (multi-label with its thresholds, regression with its standardization folded in, token
-classification, masked LM), on a small random BERT, the same two ways:
+classification, masked LM), on a small random BERT and a small random ModernBERT, the same two ways:
 
     python -m benchmarks.hf_export_check heads-ours --out /tmp/heads
     /tmp/hfvenv/bin/python benchmarks/hf_export_check.py heads-theirs --dir /tmp/heads \\
@@ -120,40 +120,46 @@ HEADS = {  # export_model's problem_type -> (transformers' Auto class, what our 
 
 
 def heads_ours(out: pathlib.Path) -> None:
-  """Step 1 of the task-head check (project environment): a small random BERT with every head, exported
-  once per task head, and our outputs on padded rows, one document each."""
+  """Step 1 of the task-head check (project environment): a small random BERT and ModernBERT with every
+  head, exported once per task head, and our outputs on padded rows, one document each."""
   import jax
   import jax.numpy as jnp
 
   from flash_layers import models
   from flash_layers.models.export import export_model
 
-  model = models.Bert(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=40,
-                      num_labels=3, impl="reference", mlm_head=True, dropout_rate=0.0)
-  params = models.init_params(model, jax.random.key(0))
+  families = {
+      "bert": models.Bert(vocab_size=200, hidden_size=32, num_layers=2, num_heads=4, mlp_dim=64, max_len=40,
+                          num_labels=3, impl="reference", mlm_head=True, dropout_rate=0.0),
+      "modernbert": models.ModernBert(vocab_size=200, hidden_size=32, num_layers=3, num_heads=4, mlp_dim=48,
+                                      max_len=40, local_attention=8, global_attn_every_n_layers=2,
+                                      num_labels=3, impl="reference", mlm_head=True)}
   rng = np.random.default_rng(0)
-  params = jax.tree.map(lambda x: np.asarray(x) + rng.normal(0, 0.05, np.shape(x)).astype(np.float32), params)
   lengths = [40, 23, 9]
   ids = np.zeros((3, 40), np.int32)
   for r, n in enumerate(lengths):
     ids[r, :n] = rng.integers(5, 200, n)
   seg = (np.arange(40)[None] < np.asarray(lengths)[:, None]).astype(np.int32)
   mean, std = [2.0, -1.0, 0.5], [3.0, 0.5, 1.5]
-  saved = {"input_ids": ids, "attention_mask": seg}
-  for problem, (_, method) in HEADS.items():
-    extra = {"thresholds": [0.3, 0.5, 0.8]} if problem == "multi_label_classification" else {}
-    if problem == "regression":
-      extra["standardization"] = (mean, std)
-    export_model(model, params, out / problem, label_names=[] if problem == "masked_lm" else ["a", "b", "c"],
-                 tokenizer=None, problem_type=problem, **extra)
-    logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(seg), method=method))
-    if method == "classify":
-      logits = logits[:, 0]
-    if problem == "regression":
-      logits = logits * np.asarray(std) + np.asarray(mean)  # the folded head's outputs
-    saved[problem] = logits
-  np.savez(out / "ours.npz", **saved)
-  print(f"exported {sorted(HEADS)} and our outputs to {out}")
+  for family, model in families.items():
+    params = jax.tree.map(np.asarray, models.init_params(model, jax.random.key(0)))
+    params = jax.tree.map(lambda x: x + rng.normal(0, 0.05, np.shape(x)).astype(np.float32), params)
+    saved = {"input_ids": ids, "attention_mask": seg}
+    for problem, (_, method) in HEADS.items():
+      extra = {"thresholds": [0.3, 0.5, 0.8]} if problem == "multi_label_classification" else {}
+      if problem == "regression":
+        extra["standardization"] = (mean, std)
+      names = [] if problem == "masked_lm" else ["a", "b", "c"]
+      export_model(model, params, out / family / problem, label_names=names, tokenizer=None,
+                   problem_type=problem, **extra)
+      logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), jnp.asarray(seg), method=method))
+      if method == "classify":
+        logits = logits[:, 0]
+      if problem == "regression":
+        logits = logits * np.asarray(std) + np.asarray(mean)  # the folded head's outputs
+      saved[problem] = logits
+    np.savez(out / family / "ours.npz", **saved)
+  print(f"exported {sorted(HEADS)} of {sorted(families)}, and our outputs, to {out}")
 
 
 def heads_theirs(directory: pathlib.Path, out: pathlib.Path | None) -> dict:
@@ -161,19 +167,21 @@ def heads_theirs(directory: pathlib.Path, out: pathlib.Path | None) -> dict:
   import torch
   import transformers
 
-  saved = np.load(directory / "ours.npz")
-  ids, mask = torch.tensor(saved["input_ids"]).long(), torch.tensor(saved["attention_mask"]).long()
   result = {"date": datetime.date.today().isoformat(), "heads": {},
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__}}
-  for problem, (auto, _) in HEADS.items():
+  for family, problem in ((f, p) for f in ("bert", "modernbert") for p in HEADS):
+    auto = HEADS[problem][0]
+    saved = np.load(directory / family / "ours.npz")
+    ids, mask = torch.tensor(saved["input_ids"]).long(), torch.tensor(saved["attention_mask"]).long()
     loader = getattr(transformers, auto)
-    model, loading = loader.from_pretrained(directory / problem, output_loading_info=True)
+    model, loading = loader.from_pretrained(directory / family / problem, output_loading_info=True,
+                                            attn_implementation="eager")
     model.eval()
     with torch.no_grad():
       logits = model(input_ids=ids, attention_mask=mask).logits.numpy().astype(np.float64)
     real = saved["attention_mask"] > 0 if logits.ndim == 3 else np.ones(len(logits), bool)
     delta = np.abs(logits - saved[problem])[real]
-    result["heads"][problem] = {
+    result["heads"][f"{family}/{problem}"] = {
         "model_class": type(model).__name__, "problem_type": model.config.problem_type,
         "thresholds": getattr(model.config, "thresholds", None),
         "missing_keys": sorted(loading["missing_keys"]),
