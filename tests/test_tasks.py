@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_training import FILLER, TOPICS, _env
+from test_training import FILLER, TOPICS, _env, _wait_for_step
 
 from flash_layers import data as data_lib
 from flash_layers import export, models
@@ -713,6 +713,33 @@ def test_masked_lm_trains_evaluates_and_resumes_bitwise(mlm_run, tmp_path):
   ours = run["model"].clone(impl="reference").apply({"params": run["params"]}, ids, seg, method="mlm")
   theirs = reloaded.apply({"params": params}, ids, seg, method="mlm")
   np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_masked_lm_run_killed_then_resumed_repeats_every_loss(tmp_path):
+  """train.py SIGKILLed mid-run (possibly mid-save), then run again: every step's loss, masks
+  included, equals the uninterrupted run's, bit for bit (as test_training's classification test)."""
+  texts = _write_texts(tmp_path / "texts.jsonl", n=120)
+  flags = [f"--config.data.dataset={texts}", "--config.task=masked_lm", "--config.data.eval_split=dev",
+           "--config.data.packing=True", "--config.data.max_docs_per_row=4", "--config.train.num_steps=60",
+           "--config.train.log_every=2", "--config.train.eval_every=30", "--config.checkpoint.every_steps=10"]
+  tiny = str(REPO / "configs/tiny.py")
+  command = lambda workdir: [sys.executable, str(REPO / "train.py"), "--config", tiny,
+                             "--workdir", str(workdir), *flags]
+  run = lambda workdir: subprocess.run(command(workdir), env=_env(), cwd=REPO, capture_output=True, text=True,
+                                       timeout=900)
+  reference = run(tmp_path / "reference")
+  assert reference.returncode == 0, reference.stderr[-3000:]
+  process = subprocess.Popen(command(tmp_path / "killed"), env=_env(), cwd=REPO, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+  _wait_for_step(process, tmp_path / "killed", 25)
+  process.kill()
+  process.communicate(timeout=60)
+  resumed = run(tmp_path / "killed")
+  assert resumed.returncode == 0 and "resumed from checkpoint step" in resumed.stderr, resumed.stderr[-3000:]
+  losses = lambda w: {r["step"]: r["loss"] for r in metrics_lib.read_metrics(str(w), "train")}
+  assert sorted(losses(tmp_path / "killed")) == list(range(1, 61))
+  assert losses(tmp_path / "killed") == losses(tmp_path / "reference")
 
 
 def test_init_from_starts_a_task_from_a_masked_lm_run_with_its_positions_extended(mlm_run, tmp_path):
