@@ -46,6 +46,9 @@ LONG_DEFAULT: dict[str, str] = {
         "the multi-slice dry run (a TPU pod program compiled from the CPU host)",
     "tests/test_parallel.py::test_ring_flash_pallas_compiles_for_v5p_slice":
         "the ring with our Mosaic kernels compiled for a v5p slice",
+    "tests/test_tasks.py::test_multi_label_trains_evaluates_predicts_and_exports":
+        "a document task beyond classification through the whole loop: train, a threshold tuned on dev "
+        "and stored with the checkpoint, eval.py, prediction and export (the other tasks: second tier)",
     "tests/test_tpu_strict.py::test_tpu_kernels_conform_under_the_strict_interpreter_on_one_walk":
         "the forward and both backward TPU kernels under the strict interpreter (races, megacore)",
 }

@@ -159,6 +159,34 @@ SECOND_TIER: dict[str, str] = {
     "tests/test_flash_pallas_gpu.py::test_offsets_and_lse_cotangent_match_reference[kwargs2]": "[kwargs0]",
     "tests/test_conformance.py::test_interpreted_cases_on_random_configs[flash_pallas-gpu]":
         "the GPU family's default-tier conformance configurations",
+    # The document tasks end to end (train, evaluate, predict, export): each task's loss, metrics and
+    # export are default-tier unit tests; the multi-label run and test_train_then_eval_end_to_end keep the
+    # loop itself there.
+    "tests/test_tasks.py::test_masked_lm_trains_evaluates_and_resumes_bitwise":
+        "test_masking_statistics_over_many_draws + test_masked_lm_loss_splits_at_position_512 + "
+        "test_export.py::test_every_task_head_exports_and_reads_back",
+    "tests/test_tasks.py::test_init_from_starts_a_task_from_a_masked_lm_run_with_its_positions_extended":
+        "test_models.py::test_extend_positions_repeat_and_interpolate + "
+        "test_training.py's restore_params tests",
+    "tests/test_tasks.py::test_hierarchical_documents_train_evaluate_and_predict":
+        "test_a_hierarchical_row_is_one_documents_chunks + test_chunk_vectors_are_combined_as_documented",
+    "tests/test_tasks.py::test_regression_trains_evaluates_predicts_and_exports_in_target_units":
+        "test_regression_loss_is_on_standardized_targets_and_metrics_in_their_units + "
+        "test_export.py::test_every_task_head_exports_and_reads_back",
+    "tests/test_tasks.py::test_token_classification_trains_evaluates_predicts_and_exports":
+        "test_each_word_is_predicted_once_from_the_window_where_it_is_most_central + "
+        "test_token_loss_and_word_scores + test_export.py::test_every_task_head_exports_and_reads_back",
+    "tests/test_interpret_mesh.py::test_tpu_interpret_under_a_mesh_runs_and_matches[mqa-ring]":
+        "[gqa-data-mesh] + the ring in test_context_parallel's 8-device test",
+    "tests/test_tpu_aot.py::test_262k_tokens_on_one_v5p_chip_keep_temporaries_linear":
+        "test_a_131k_token_mask_mod_plan_fits_one_v5p_chip + "
+        "test_dropout_and_alibi_compile_with_no_extra_memory",
+    "tests/test_export.py::test_roberta_refuses_a_tokenizer_whose_pad_token_is_not_padding_idx":
+        "test_refusals_name_what_is_wrong",
+    "tests/test_paged_gpu.py::test_bfloat16_within_twice_the_reference_impl_error":
+        "test_paged.py::test_bfloat16_matches_oracle's flash_pallas-gpu cases",
+    "tests/test_flash_pallas_tpu.py::test_bfloat16_gqa_head_dim_v":
+        "test_conformance.py's bfloat16 flash_pallas-tpu cases (GQA, head_dim_v)",
 }
 
 
