@@ -701,5 +701,37 @@ REGISTRY.update({
 })
 
 
+# docs/training.md: the task configs' worked examples (benchmarks/tasks.py) and the position copy from 512
+# to 1,024 tokens under masked-LM training (benchmarks/position_copy.py).
+_TASK = "task-{}-2026-12-07.json"
+_POSITION_COPY = "position-copy-2026-12-07.json"
+_TASK_METRICS = {
+    "multi_label": ("micro_f1", "macro_f1", "samples_f1", "mean_average_precision"),
+    "hierarchical": ("micro_f1", "macro_f1", "samples_f1", "mean_average_precision"),
+    "regression": ("pearson", "spearman", "mae"),
+    "token_classification": ("entity_f1", "token_accuracy"),
+}
+for _name, _metrics in _TASK_METRICS.items():
+  _file = _TASK.format(_name)
+  REGISTRY.update({f"tasks.{_name}.{m}": Number(_file, f"eval.{m}", ".3f") for m in _metrics})
+  REGISTRY.update({
+      f"tasks.{_name}.steps": Number(_file, "eval.checkpoint_step", "d"),
+      f"tasks.{_name}.train_min": Number(_file, "stages.train.wall_s", ".1f", 1 / 60),
+  })
+REGISTRY.update({
+    "tasks.multi_label.documents": Number(_TASK.format("multi_label"), "eval.num_examples", "d"),
+    "tasks.multi_label.threshold": Number(_TASK.format("multi_label"), "eval.thresholds.[0]", ".2f"),
+    "tasks.hierarchical.threshold": Number(_TASK.format("hierarchical"), "eval.thresholds.[0]", ".2f"),
+    "tasks.token_classification.words": Number(_TASK.format("token_classification"), "eval.words_scored", ",d"),
+    **{f"position_copy.{stage}.{k}": Number(_POSITION_COPY, f"{stage}.{k}", f, scale)
+       for stage in ("step_0", "final")
+       for k, f, scale in (("loss_below_512", ".2f", 1), ("loss_from_512", ".2f", 1),
+                           ("relative_gap", ".1f", 100), ("mlm_accuracy", ".1f", 100))},
+    "position_copy.head_steps": Number(_POSITION_COPY, "args.head_steps", "d"),
+    "position_copy.long_steps": Number(_POSITION_COPY, "args.long_steps", "d"),
+    "position_copy.articles": Number(_POSITION_COPY, "articles.train", "d"),
+    "position_copy.masked_from_512": Number(_POSITION_COPY, "final.masked_from_512", ",d"),
+})
+
 if __name__ == "__main__":
   sys.exit(main())
