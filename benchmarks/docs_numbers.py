@@ -722,7 +722,8 @@ REGISTRY.update({
     "tasks.multi_label.documents": Number(_TASK.format("multi_label"), "eval.num_examples", "d"),
     "tasks.multi_label.threshold": Number(_TASK.format("multi_label"), "eval.thresholds.[0]", ".2f"),
     "tasks.hierarchical.threshold": Number(_TASK.format("hierarchical"), "eval.thresholds.[0]", ".2f"),
-    "tasks.token_classification.words": Number(_TASK.format("token_classification"), "eval.words_scored", ",d"),
+    "tasks.token_classification.words":
+        Number(_TASK.format("token_classification"), "eval.words_scored", ",d"),
     **{f"position_copy.{stage}.{k}": Number(_POSITION_COPY, f"{stage}.{k}", f, scale)
        for stage in ("step_0", "final")
        for k, f, scale in (("loss_below_512", ".2f", 1), ("loss_from_512", ".2f", 1),
