@@ -620,13 +620,14 @@ def _bf16_configs(case) -> tuple[str, ...]:
 
 def _attributes(cfg: Config, dtype: str = "float32") -> set:
   """What a configuration exercises: its features and the shape properties the kernels tile by. In
-  bfloat16 (what changes is the casts around the same code) its features and tiling only."""
+  bfloat16 (what changes is the casts around the same code) whether it spans one tile or several: the
+  features in bfloat16 are each impl's second-tier cases."""
   heads = "mha" if cfg.kvh == cfg.heads else ("mqa" if cfg.kvh == 1 else "gqa")
   longest = max(cfg.q_len, cfg.s)
   tiles = "decode" if cfg.q_len <= 16 and cfg.s >= 1024 else ("one" if longest <= 128 else "many")
+  if dtype == "bfloat16":  # the casts around the same code: one tile and several (the rest: second tier)
+    return {("tiles", "one" if tiles == "one" else "many")}
   attrs = {("feature", f) for f in cfg.features()}
-  if dtype == "bfloat16":  # the casts around the same code: each feature once (the rest: second tier)
-    return attrs | {("tiles", "one" if tiles == "one" else "many")}
   attrs |= {("tiles", tiles), ("segments", cfg.segments)}
   window = None if cfg.window is None else ("symmetric" if isinstance(cfg.window, int) else "pair")
   head_dim = "lanes" if cfg.head_dim % 128 == 0 else ("odd" if cfg.head_dim % 32 else "small")

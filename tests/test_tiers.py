@@ -33,25 +33,34 @@ OVERHEAD_S = 45
 # Default-tier tests that take more than LONG_S, and why each earns its place there (the cheapest
 # test that proves the property it names; its large version is in the second tier).
 LONG_DEFAULT: dict[str, str] = {
-    "tests/test_training.py::test_first_run_prints_no_libtpu_warnings":
-        "runs the module's reference training run (train.py in a subprocess), which the end-to-end, "
-        "eval and predict tests then read",
+    "tests/test_training.py::test_train_then_eval_end_to_end":
+        "runs the module's reference training run (train.py in a subprocess; the first of its xdist "
+        "group), which the libtpu-quiet, eval and predict tests then read",
+    "tests/test_tiers.py::test_default_tier_keeps_what_the_rule_names":
+        "collects the default tier in a subprocess (both tests of the module read it)",
+    "tests/test_docs_snippets.py::test_snippet_runs[docs/contract.md:7]":
+        "the contract page's examples, one chain (every documented call runs)",
+    "tests/test_flash_pallas_tpu.py::test_invisible_blocks_are_skipped_not_masked":
+        "the TPU kernels' block skipping, interpreted forward and backward",
+    "tests/test_parallel.py::test_flax_layer_shards_over_its_mesh_or_the_current_one":
+        "the Flax layer on a device mesh (the default tier's sharded-layer case)",
+    "tests/test_tpu_aot.py::test_float32_head_dim_256_fits_the_generations_vmem[v5e]":
+        "the one generation kept of the VMEM-fit compile (the others: second tier)",
     "tests/test_context_parallel.py::test_every_strategy_on_eight_devices_in_one_process":
         "every context-parallel strategy on 8 devices, in one interpreter",
     "tests/test_mask_mods.py::test_named_mask_mods_equal_the_builtin_arguments_in_our_kernels[causal-tpu]":
         "the TPU kernel family's mask_mod path (interpreted, forward and backward)",
     "tests/test_mask_mods.py::test_our_tpu_kernels_take_a_block_masks_tiles_and_reuse_its_flags":
         "a user's BlockMask reaching the TPU kernels' grid (interpreted)",
-    "tests/test_multislice.py::test_two_slice_dry_run_report[dcn_data]":
-        "the multi-slice dry run (a TPU pod program compiled from the CPU host)",
     "tests/test_parallel.py::test_ring_flash_pallas_compiles_for_v5p_slice":
         "the ring with our Mosaic kernels compiled for a v5p slice",
-    "tests/test_tasks.py::test_multi_label_trains_evaluates_predicts_and_exports":
-        "a document task beyond classification through the whole loop: train, a threshold tuned on dev "
-        "and stored with the checkpoint, eval.py, prediction and export (the other tasks: second tier)",
     "tests/test_tpu_strict.py::test_tpu_kernels_conform_under_the_strict_interpreter_on_one_walk":
         "the forward and both backward TPU kernels under the strict interpreter (races, megacore)",
 }
+
+
+# Both tests read one collection (--dist loadgroup keeps them on one worker).
+pytestmark = pytest.mark.xdist_group("tiers_collection")
 
 
 @pytest.fixture(scope="module")

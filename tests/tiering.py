@@ -159,9 +159,12 @@ SECOND_TIER: dict[str, str] = {
     "tests/test_flash_pallas_gpu.py::test_offsets_and_lse_cotangent_match_reference[kwargs2]": "[kwargs0]",
     "tests/test_conformance.py::test_interpreted_cases_on_random_configs[flash_pallas-gpu]":
         "the GPU family's default-tier conformance configurations",
-    # The document tasks end to end (train, evaluate, predict, export): each task's loss, metrics and
-    # export are default-tier unit tests; the multi-label run and test_train_then_eval_end_to_end keep the
-    # loop itself there.
+    # The document tasks end to end (train, evaluate, predict, export): each task's reader, loss, metrics
+    # and export head are default-tier unit tests; test_train_then_eval_end_to_end keeps the loop there.
+    "tests/test_tasks.py::test_multi_label_trains_evaluates_predicts_and_exports":
+        "test_multi_label_scores_predictions_and_tuned_thresholds + "
+        "test_multi_label_loss_is_the_mean_binary_cross_entropy_of_real_documents + "
+        "test_export.py::test_every_task_head_exports_and_reads_back",
     "tests/test_tasks.py::test_masked_lm_trains_evaluates_and_resumes_bitwise":
         "test_masking_statistics_over_many_draws + test_masked_lm_loss_splits_at_position_512 + "
         "test_export.py::test_every_task_head_exports_and_reads_back",
@@ -185,6 +188,10 @@ SECOND_TIER: dict[str, str] = {
         "test_refusals_name_what_is_wrong",
     "tests/test_paged_gpu.py::test_bfloat16_within_twice_the_reference_impl_error":
         "test_paged.py::test_bfloat16_matches_oracle's flash_pallas-gpu cases",
+    "tests/test_serve.py::test_int8_pages_stay_within_their_rounding":
+        "test_paged_cache.py::test_int8_pages_stay_within_their_rounding + test_the_example_runs",
+    "tests/test_export.py::test_modernbert_round_trip_reproduces_transformers_logits[mean]": "[cls] + "
+    "test_mean_pooled_bert_and_roberta_are_refused",
     "tests/test_flash_pallas_tpu.py::test_bfloat16_gqa_head_dim_v":
         "test_conformance.py's bfloat16 flash_pallas-tpu cases (GQA, head_dim_v)",
 }
