@@ -40,12 +40,6 @@ LONG_DEFAULT: dict[str, str] = {
         "collects the default tier in a subprocess (both tests of the module read it)",
     "tests/test_docs_snippets.py::test_snippet_runs[docs/contract.md:7]":
         "the contract page's examples, one chain (every documented call runs)",
-    "tests/test_flash_pallas_tpu.py::test_invisible_blocks_are_skipped_not_masked":
-        "the TPU kernels' block skipping, interpreted forward and backward",
-    "tests/test_parallel.py::test_flax_layer_shards_over_its_mesh_or_the_current_one":
-        "the Flax layer on a device mesh (the default tier's sharded-layer case)",
-    "tests/test_tpu_aot.py::test_float32_head_dim_256_fits_the_generations_vmem[v5e]":
-        "the one generation kept of the VMEM-fit compile (the others: second tier)",
     "tests/test_context_parallel.py::test_every_strategy_on_eight_devices_in_one_process":
         "every context-parallel strategy on 8 devices, in one interpreter",
     "tests/test_mask_mods.py::test_named_mask_mods_equal_the_builtin_arguments_in_our_kernels[causal-tpu]":
