@@ -234,7 +234,6 @@ def _export_command(workdir, out, *flags):
                          *flags], env=_env(), cwd=REPO, capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.xdist_group("export_tiny_run")
 def test_cli_exports_a_trained_workdir_with_its_stored_config(tiny_run, tmp_path):
   workdir, _ = tiny_run
   result = _export_command(workdir, tmp_path / "out")
@@ -252,7 +251,6 @@ def test_cli_exports_a_trained_workdir_with_its_stored_config(tiny_run, tmp_path
                                 _logits(run["model"], run["params"], ids, seg))
 
 
-@pytest.mark.xdist_group("export_tiny_run")
 def test_cli_bad_arguments_give_one_line_naming_them(tiny_run, tmp_path):
   workdir, dataset = tiny_run
   cases = [

@@ -224,7 +224,6 @@ def dry_run(request):
 
 
 @pytest.mark.aot
-@pytest.mark.xdist_group("multislice_dry_run")  # one compile per parameter (--dist loadgroup)
 def test_two_slice_dry_run_report(dry_run):
   across, mesh, report, _ = dry_run
   dcn_axis = across.removeprefix("dcn_")
@@ -237,7 +236,6 @@ def test_two_slice_dry_run_report(dry_run):
 
 
 @pytest.mark.aot
-@pytest.mark.xdist_group("multislice_dry_run")
 def test_two_slice_dry_run_keeps_ring_and_tensor_collectives_on_ici(dry_run):
   across, mesh, _, found = dry_run
   assert all(c.axes is not None for c in found), [c for c in found if c.axes is None]

@@ -24,10 +24,6 @@ SHAPES = ((7, 6, 0), (3, 8, 0), (12, 4, 1), (5, 5, 3))
 INT8_LOGITS_ATOL = 0.05
 
 
-# The tests that read setup run on one xdist worker (--dist loadgroup).
-SETUP = pytest.mark.xdist_group("serve_setup")
-
-
 @pytest.fixture(scope="module")
 def setup():
   model = decoder.CausalLM(impl="xla_chunked", features=16, num_heads=2, num_kv_heads=1)
@@ -48,7 +44,6 @@ def _serve(model, params, prompts, kv_cache_dtype=None, token_buckets=()):
   return server, requests, stats
 
 
-@SETUP
 def test_every_request_gets_the_tokens_it_gets_alone(setup):
   model, params, prompts, alone = setup
   server, requests, stats = _serve(model, params, prompts)
@@ -66,7 +61,6 @@ def test_every_request_gets_the_tokens_it_gets_alone(setup):
   server.allocator.check_invariants()
 
 
-@SETUP
 def test_token_buckets_give_the_same_tokens(setup):
   """Steps of few tokens run in the smaller bucket (one compile per bucket): the same tokens as alone."""
   model, params, prompts, alone = setup
@@ -77,7 +71,6 @@ def test_token_buckets_give_the_same_tokens(setup):
   assert server.buckets == [3, 8] and server.traces == 2
 
 
-@SETUP
 def test_int8_pages_stay_within_their_rounding(setup):
   """int8 pages: each request's logits stay within INT8_LOGITS_ATOL of its float tokens' logits, up to
   the first token the two choose differently (random weights have near ties: past it the sequences differ),

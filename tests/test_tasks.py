@@ -671,10 +671,6 @@ def _write_texts(path: pathlib.Path, n: int = 80) -> pathlib.Path:
   return path
 
 
-# The tests that read mlm_run run on one xdist worker (--dist loadgroup).
-MLM_RUN = pytest.mark.xdist_group("tasks_mlm_run")
-
-
 @pytest.fixture(scope="module")
 def mlm_run(tmp_path_factory):
   texts = _write_texts(tmp_path_factory.mktemp("texts") / "texts.jsonl")
@@ -686,7 +682,6 @@ def mlm_run(tmp_path_factory):
   return config, workdir, texts
 
 
-@MLM_RUN
 def test_masked_lm_trains_evaluates_and_resumes_bitwise(mlm_run, tmp_path):
   config, workdir, texts = mlm_run
   losses = {r["step"]: r["loss"] for r in metrics_lib.read_metrics(str(workdir), "train")}
@@ -747,7 +742,6 @@ def test_masked_lm_run_killed_then_resumed_repeats_every_loss(tmp_path):
   assert losses(tmp_path / "killed") == losses(tmp_path / "reference")
 
 
-@MLM_RUN
 def test_init_from_starts_a_task_from_a_masked_lm_run_with_its_positions_extended(mlm_run, tmp_path):
   config, workdir, _ = mlm_run
   _, source = checkpoint_lib.read_params(str(workdir))

@@ -53,10 +53,6 @@ LONG_DEFAULT: dict[str, str] = {
 }
 
 
-# Both tests read one collection (--dist loadgroup keeps them on one worker).
-pytestmark = pytest.mark.xdist_group("tiers_collection")
-
-
 @pytest.fixture(scope="module")
 def default_tier() -> list[str]:
   proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],

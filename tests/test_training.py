@@ -474,10 +474,6 @@ def test_restore_params_reads_no_optimizer_state(tmp_path):
 # End to end (subprocesses, as users run them)
 # ----------------------------------------------------------------------------
 
-# The tests that read reference_run run on one xdist worker (pyproject's --dist loadgroup): one run.
-REFERENCE_RUN = pytest.mark.xdist_group("training_reference_run")
-
-
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory, dataset) -> pathlib.Path:
   """An uninterrupted run of KILL_RUN (also the end-to-end test's run), with a profile, started from
@@ -488,7 +484,6 @@ def reference_run(tmp_path_factory, dataset) -> pathlib.Path:
   return workdir
 
 
-@REFERENCE_RUN
 def test_first_run_prints_no_libtpu_warnings(reference_run):
   """libtpu is installed (for the TPU ahead-of-time tests); on a CPU-only host it must stay quiet."""
   if host.accelerator_present() or importlib.util.find_spec("libtpu") is None:
@@ -500,7 +495,6 @@ def test_first_run_prints_no_libtpu_warnings(reference_run):
     assert marker not in console, f"{marker!r} printed:\n{console[:3000]}"
 
 
-@REFERENCE_RUN
 def test_train_then_eval_end_to_end(reference_run, dataset, tmp_path):
   workdir = reference_run
   # train.py keeps its compiled programs in the default cache (conftest.py moves it to a temp dir)
@@ -551,7 +545,6 @@ def test_long_docs_config_smoke_trains_on_one_cpu_device(tmp_path):
   assert (tmp_path / "checkpoints" / "2").is_dir()
 
 
-@REFERENCE_RUN
 def test_windows_eval_and_predict_give_one_entry_per_document(reference_run, tmp_path):
   # Documents of 70-200 words, each several 64-token windows: metrics, the confusion matrix and
   # predictions.jsonl count documents, each predicted from the mean of its windows' logits.
@@ -573,7 +566,6 @@ def test_windows_eval_and_predict_give_one_entry_per_document(reference_run, tmp
   assert [p["prediction"] for p in predictions] == ["sport", "food", "tech"]
 
 
-@REFERENCE_RUN
 def test_sigterm_then_sigkill_then_resume_gives_identical_losses(reference_run, dataset, tmp_path):
   # SIGTERM: the run saves at the step it is on and exits 0.
   process = _start("train.py", tmp_path, dataset, *KILL_RUN)
