@@ -1,0 +1,323 @@
+"""The long-versus-short study (docs/training.md): does reading the whole document beat truncating it?
+
+    python -m benchmarks.long_vs_short --dataset DIR --out benchmarks/results/long-vs-short-DATE select
+    python -m benchmarks.long_vs_short --dataset DIR --out benchmarks/results/long-vs-short-DATE run
+    python -m benchmarks.long_vs_short --dataset DIR --out benchmarks/results/long-vs-short-DATE report
+
+DIR holds train/dev/test JSONL files of {"text": ..., "label": ...} (a list of labels: multi-label,
+`--task multi_label_classification`). Five arms, every one from all-MiniLM-L6-v2 (the Longformer and
+LexGLUE comparisons of issue 43):
+
+  a  truncate      the first --short tokens (512)
+  b  hierarchical  up to --long / --short chunks of --short tokens, pooled by a learned attention
+  c  long          the whole document up to --long tokens, the position table copied (Longformer's repeat)
+  d  mlm_short     masked-LM at --short on the training split's text, then (a) from that encoder
+  e  mlm_long      masked-LM at --short (it trains MiniLM's missing MLM head), the positions copied and
+                   masked-LM continued at --long, then (c) from that encoder
+
+Every fine-tuning run sees the same number of tokens (--budget-tokens: steps = budget / (batch x
+tokens per row), so an arm at 2,048 takes a quarter of the steps of one at 512) and the same
+learning-rate grid. The masked-LM runs are extra compute for (d) and (e), one per study (seed 0),
+sized by --mlm-short-steps and --mlm-long-steps; the report states both budgets.
+
+Stages (each resumable: a run whose record exists is not redone):
+  select   every arm x every --lrs at seed 0, scored on dev (the test split is not read)
+  run      every arm at its best dev learning rate x every --seeds, then one prediction of the test
+           split per run (the test labels are read here and only here)
+  report   mean +- std per arm over seeds, and per seed paired bootstrap intervals (--bootstrap
+           resamples of the test documents) of each arm's metric minus arm (a)'s; the summary goes to
+           OUT/summary.json
+
+Each run is `python train.py --config configs/quickstart.py --workdir W --config...` (then eval.py),
+exactly as a user runs it; its record (overrides, wall and CPU seconds, dev metrics, per-document test
+predictions) goes to OUT/runs/<name>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import pathlib
+import platform
+import resource
+import shutil
+import subprocess
+import sys
+import time
+
+import numpy as np
+
+from benchmarks import cpu_dense
+from flash_layers.training import metrics as metrics_lib
+from flash_layers.training import task_metrics
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ARMS = ("a", "b", "c", "d", "e")
+ARM_NAMES = {"a": "truncate", "b": "hierarchical", "c": "long", "d": "mlm_short", "e": "mlm_long"}
+PRIMARY = {"classification": "macro_f1", "multi_label_classification": "micro_f1"}
+
+
+def _children_cpu() -> float:
+  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+  return usage.ru_utime + usage.ru_stime
+
+
+def _run(script: str, workdir: pathlib.Path, overrides: list[str], extra: list[str] = ()) -> dict:
+  """One train.py / eval.py process; its wall and CPU seconds."""
+  command = [sys.executable, script, "--config", "configs/quickstart.py", "--workdir", str(workdir),
+             *overrides, *extra]
+  cpu, wall = _children_cpu(), time.perf_counter()
+  result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
+                          env={**os.environ, "FLASH_LAYERS_CACHE": str(workdir.parent / "cache")})
+  if result.returncode:
+    raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
+  return {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(_children_cpu() - cpu, 1)}
+
+
+class Study:
+  def __init__(self, args: argparse.Namespace):
+    self.args = args
+    self.out = args.out
+    self.runs = args.out / "runs"
+    self.work = args.work
+    self.runs.mkdir(parents=True, exist_ok=True)
+    self.work.mkdir(parents=True, exist_ok=True)
+
+  # -- configurations ---------------------------------------------------------------------------
+
+  def _common(self, seed: int) -> list[str]:
+    a = self.args
+    return [f"--config.seed={seed}", f"--config.data.dataset={a.dataset}",
+            f"--config.train.batch_size={a.batch}", "--config.data.eval_split=dev",
+            "--config.data.eval_batch_size=8", "--config.train.log_every=10",
+            "--config.checkpoint.every_steps=1000000"]
+
+  def _steps(self, row_tokens: int) -> int:
+    return max(1, self.args.budget_tokens // (self.args.batch * row_tokens))
+
+  def arm_overrides(self, arm: str, lr: float, seed: int) -> list[str]:
+    a = self.args
+    long_arm = arm in ("c", "e")
+    row = a.long if arm in ("b", "c", "e") else a.short
+    steps = self._steps(row)
+    o = [*self._common(seed), f"--config.task={a.task}", f"--config.train.learning_rate={lr}",
+         f"--config.train.num_steps={steps}", f"--config.train.warmup_steps={max(1, steps // 10)}",
+         f"--config.train.eval_every={steps}", f"--config.model.max_len={a.long if long_arm else a.short}",
+         "--config.model.pooling=cls", "--config.data.packing=False"]
+    if a.task == "multi_label_classification":
+      o += ["--config.eval.threshold=tune", "--config.checkpoint.best_metric=micro_f1"]
+    if arm == "b":
+      o += ["--config.data.long_documents=hierarchical", f"--config.data.max_chunks={a.long // a.short}",
+            "--config.model.chunk_pooling=attention"]
+    if arm == "d":
+      o.append(f"--config.model.init_from={self._mlm_workdir('short')}")
+    if arm == "e":
+      o.append(f"--config.model.init_from={self._mlm_workdir('long')}")
+    return o
+
+  def _mlm_workdir(self, which: str) -> pathlib.Path:
+    return self.work / f"mlm_{which}"
+
+  def _mlm_overrides(self, which: str) -> list[str]:
+    a = self.args
+    steps = a.mlm_short_steps if which == "short" else a.mlm_long_steps
+    length = a.short if which == "short" else a.long
+    o = [*self._common(0), "--config.task=masked_lm", f"--config.model.max_len={length}",
+         f"--config.train.num_steps={steps}", f"--config.train.warmup_steps={max(1, steps // 10)}",
+         f"--config.train.eval_every={steps}", f"--config.train.learning_rate={a.mlm_lr}",
+         "--config.data.packing=True", "--config.data.max_docs_per_row=8",
+         "--config.checkpoint.best_metric=mlm_loss"]
+    if which == "long":
+      o.append(f"--config.model.init_from={self._mlm_workdir('short')}")
+    return o
+
+  # -- runs -------------------------------------------------------------------------------------
+
+  def _record_path(self, name: str) -> pathlib.Path:
+    return self.runs / f"{name}.json"
+
+  def mlm(self, which: str) -> dict:
+    path = self._record_path(f"mlm_{which}")
+    if path.exists() and self._mlm_workdir(which).exists():
+      return json.loads(path.read_text())
+    if which == "long":
+      self.mlm("short")
+    workdir = self._mlm_workdir(which)
+    shutil.rmtree(workdir, ignore_errors=True)
+    overrides = self._mlm_overrides(which)
+    record = {"name": f"mlm_{which}", "overrides": overrides, "train": _run("train.py", workdir, overrides)}
+    record["dev"] = json.loads((workdir / "train_summary.json").read_text())["dev"]
+    path.write_text(json.dumps(record, indent=1) + "\n")
+    return record
+
+  def finetune(self, arm: str, lr: float, seed: int, test: bool) -> dict:
+    name = f"{arm}-lr{lr:g}-seed{seed}"
+    path = self._record_path(name)
+    workdir = self.work / name
+    record = json.loads(path.read_text()) if path.exists() else None
+    if record is not None and (not test or "test" in record):
+      return record
+    if record is None or not workdir.exists():  # (a select run's workdir is kept for its test prediction)
+      if arm == "d":
+        self.mlm("short")
+      if arm == "e":
+        self.mlm("long")
+      shutil.rmtree(workdir, ignore_errors=True)
+      overrides = self.arm_overrides(arm, lr, seed)
+      record = {"name": name, "arm": arm, "lr": lr, "seed": seed, "overrides": overrides,
+                "train": _run("train.py", workdir, overrides)}
+      _run("eval.py", workdir, overrides)  # the full dev split
+      record["dev"] = _metrics_only(json.loads((workdir / "eval_metrics.json").read_text()))
+      path.write_text(json.dumps(record) + "\n")
+    overrides = record["overrides"]
+    if test:
+      out = workdir / "test_predictions.jsonl"
+      record["predict"] = _run("eval.py", workdir, overrides,
+                               [f"--predict={self.args.dataset}/test.jsonl", f"--predictions_out={out}"])
+      record["test"] = [_prediction(json.loads(line)) for line in out.read_text().splitlines()]
+      path.write_text(json.dumps(record) + "\n")
+      shutil.rmtree(workdir, ignore_errors=True)
+    return record
+
+  # -- stages -----------------------------------------------------------------------------------
+
+  def select(self) -> dict:
+    best = {}
+    for arm in self.args.arms:
+      scores = {lr: self.finetune(arm, lr, 0, test=False)["dev"][PRIMARY[self.args.task]]
+                for lr in self.args.lrs}
+      best[arm] = max(scores, key=lambda lr: (scores[lr], -lr))
+      print(f"arm {arm} ({ARM_NAMES[arm]}): dev {PRIMARY[self.args.task]} by lr {scores} -> {best[arm]:g}")
+    (self.out / "selected.json").write_text(json.dumps(best, indent=1) + "\n")
+    return best
+
+  def run(self) -> None:
+    path = self.out / "selected.json"
+    if not path.exists():
+      raise SystemExit(f"{path} is missing: run the select stage first")
+    best = json.loads(path.read_text())
+    for arm in self.args.arms:
+      for seed in self.args.seeds:
+        self.finetune(arm, best[arm], seed, test=True)
+
+  def report(self) -> dict:
+    best = json.loads((self.out / "selected.json").read_text())
+    gold = _gold(self.args.dataset / "test.jsonl")
+    score = _scorer(self.args.task, gold)
+    primary = PRIMARY[self.args.task]
+    rng = np.random.default_rng(0)
+    draws = rng.integers(0, len(gold), size=(self.args.bootstrap, len(gold)))
+    arms, records = {}, {}
+    for arm in self.args.arms:
+      records[arm] = [json.loads(self._record_path(f"{arm}-lr{best[arm]:g}-seed{s}").read_text())
+                      for s in self.args.seeds]
+      values = [score(r["test"])[primary] for r in records[arm]]
+      arms[arm] = {"name": ARM_NAMES[arm], "lr": best[arm], "values": values, "mean": float(np.mean(values)),
+                   "std": float(np.std(values, ddof=1)) if len(values) > 1 else 0.0,
+                   "train_wall_s": [r["train"]["wall_s"] for r in records[arm]],
+                   "train_cpu_s": [r["train"]["cpu_s"] for r in records[arm]]}
+    for arm in self.args.arms:
+      if arm == "a" or "a" not in records:
+        continue
+      deltas = []
+      for mine, base in zip(records[arm], records["a"], strict=True):
+        on = lambda run, idx: score([run["test"][i] for i in idx], idx)[primary]  # noqa: E731
+        diff = [on(mine, idx) - on(base, idx) for idx in draws]
+        delta = score(mine["test"])[primary] - score(base["test"])[primary]
+        deltas.append({"seed": mine["seed"], "delta": delta,
+                       "ci95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))]})
+      arms[arm]["paired_vs_a"] = deltas
+    summary = {"date": datetime.date.today().isoformat(), "dataset": str(self.args.dataset),
+               "task": self.args.task, "metric": primary, "test_documents": len(gold),
+               "budget_tokens": self.args.budget_tokens,
+               "short": self.args.short, "long": self.args.long, "batch": self.args.batch,
+               "lrs": self.args.lrs, "seeds": self.args.seeds, "bootstrap": self.args.bootstrap, "arms": arms,
+               "mlm": {w: json.loads(self._record_path(f"mlm_{w}").read_text())
+                       for w in ("short", "long") if self._record_path(f"mlm_{w}").exists()},
+               "cpu_model": cpu_dense.cpu_model(), "machine": platform.machine(), "cpu_count": os.cpu_count()}
+    (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for arm, row in arms.items():
+      print(f"{arm} {row['name']:>12}: {primary} {row['mean']:.4f} +- {row['std']:.4f} (lr {row['lr']:g})",
+            *(f"vs a: {d['delta']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+              for d in row.get("paired_vs_a", [])))
+    return summary
+
+
+def _metrics_only(report: dict) -> dict:
+  return {k: v for k, v in report.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _prediction(row: dict):
+  """What a run predicted for one test document: a class, or a set of labels."""
+  return row["prediction"] if "prediction" in row else sorted(row["labels"])
+
+
+def _gold(path: pathlib.Path) -> list:
+  rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+  return [sorted(map(str, r["label"])) if isinstance(r["label"], list) else str(r["label"]) for r in rows]
+
+
+def _scorer(task: str, gold: list):
+  """score(predictions, index=None): the task's metrics of `predictions` against gold[index]."""
+  if task == "classification":
+    names = sorted({*gold})
+    position = {n: i for i, n in enumerate(names)}
+
+    def score(predicted, index=None):
+      g = gold if index is None else [gold[i] for i in index]
+      confusion = np.zeros((len(names), len(names)))
+      for want, got in zip(g, predicted, strict=True):
+        if str(got) in position:  # a class never in the test split is a miss on every row it is predicted
+          confusion[position[want], position[str(got)]] += 1
+      return {"accuracy": float(np.mean([str(p) == w for p, w in zip(predicted, g, strict=True)])),
+              "macro_f1": metrics_lib.macro_f1(confusion)}
+    return score
+  names = sorted({n for labels in gold for n in labels})
+  position = {n: i for i, n in enumerate(names)}
+
+  def hot(sets):
+    out = np.zeros((len(sets), len(names)), bool)
+    for row, labels in enumerate(sets):
+      for n in labels:
+        if n in position:
+          out[row, position[n]] = True
+    return out
+
+  def score(predicted, index=None):
+    g = gold if index is None else [gold[i] for i in index]
+    return task_metrics.multi_label_scores(hot(g), hot(predicted))
+  return score
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("stage", choices=("select", "run", "report"))
+  parser.add_argument("--dataset", type=pathlib.Path, required=True, help="a folder of train/dev/test.jsonl")
+  parser.add_argument("--task", default="classification", choices=tuple(PRIMARY))
+  parser.add_argument("--out", type=pathlib.Path, required=True, help="results folder (runs/, summary.json)")
+  parser.add_argument("--work", type=pathlib.Path, default=pathlib.Path("/tmp/fl-long-vs-short"),
+                      help="workdirs (a run's is deleted once its test predictions are recorded)")
+  parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=ARMS)
+  parser.add_argument("--short", type=int, default=512)
+  parser.add_argument("--long", type=int, default=2048)
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--budget-tokens", type=int, default=1_048_576, help="tokens per fine-tuning run")
+  parser.add_argument("--lrs", type=float, nargs="+", default=[5e-5, 1e-4, 2e-4])
+  parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+  parser.add_argument("--mlm-short-steps", type=int, default=200)
+  parser.add_argument("--mlm-long-steps", type=int, default=100)
+  parser.add_argument("--mlm-lr", type=float, default=1e-4)
+  parser.add_argument("--bootstrap", type=int, default=1000)
+  args = parser.parse_args(argv)
+  if args.long % args.short:
+    parser.error(f"--long ({args.long}) must be a multiple of --short ({args.short}): arm b's chunks")
+  if args.stage == "report" and len(args.seeds) < 2:
+    parser.error("--seeds: the report's std needs at least 2 seeds")
+  study = Study(args)
+  getattr(study, args.stage)()
+
+
+if __name__ == "__main__":
+  main()
