@@ -41,7 +41,6 @@ import json
 import os
 import pathlib
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -50,6 +49,7 @@ import time
 import numpy as np
 
 from benchmarks import cpu_dense
+from benchmarks.tasks import children_cpu
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import task_metrics
 
@@ -59,21 +59,16 @@ ARM_NAMES = {"a": "truncate", "b": "hierarchical", "c": "long", "d": "mlm_short"
 PRIMARY = {"classification": "macro_f1", "multi_label_classification": "micro_f1"}
 
 
-def _children_cpu() -> float:
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
-
-
 def _run(script: str, workdir: pathlib.Path, overrides: list[str], extra: list[str] = ()) -> dict:
   """One train.py / eval.py process; its wall and CPU seconds."""
   command = [sys.executable, script, "--config", "configs/quickstart.py", "--workdir", str(workdir),
              *overrides, *extra]
-  cpu, wall = _children_cpu(), time.perf_counter()
+  cpu, wall = children_cpu(), time.perf_counter()
   result = subprocess.run(command, cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "FLASH_LAYERS_CACHE": str(workdir.parent / "cache")})
   if result.returncode:
     raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-4000:]}")
-  return {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(_children_cpu() - cpu, 1)}
+  return {"wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(children_cpu() - cpu, 1)}
 
 
 class Study:

@@ -30,7 +30,8 @@ from benchmarks import cpu_dense
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
 
-def _children_cpu() -> float:
+def children_cpu() -> float:
+  """CPU seconds (user + system) of this process's finished children."""
   usage = resource.getrusage(resource.RUSAGE_CHILDREN)
   return usage.ru_utime + usage.ru_stime
 
@@ -44,12 +45,12 @@ def run(config: str, overrides: list[str]) -> dict:
   try:
     for script in ("train.py", "eval.py"):
       command = [sys.executable, script, "--config", config, "--workdir", str(work / "run"), *overrides]
-      cpu, wall = _children_cpu(), time.perf_counter()
+      cpu, wall = children_cpu(), time.perf_counter()
       result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
       if result.returncode:
         raise SystemExit(f"{' '.join(command)} failed:\n{result.stderr[-3000:]}")
       record["stages"][script.removesuffix(".py")] = {"wall_s": round(time.perf_counter() - wall, 1),
-                                                      "cpu_s": round(_children_cpu() - cpu, 1)}
+                                                      "cpu_s": round(children_cpu() - cpu, 1)}
     record["dev"] = json.loads((work / "run" / "train_summary.json").read_text())["dev"]
     report = json.loads((work / "run" / "eval_metrics.json").read_text())
     report.pop("confusion_matrix", None)

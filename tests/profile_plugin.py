@@ -51,14 +51,6 @@ def load_durations() -> dict[str, float]:
     return {}
 
 
-def test_id(item) -> str:
-  """The test's id as collected without xdist: `--dist loadgroup` appends "@<group>" to the ids of
-  xdist_group-marked tests on the workers."""
-  mark = item.get_closest_marker("xdist_group")
-  group = (mark.args[0] if mark.args else mark.kwargs.get("name")) if mark else None
-  return item.nodeid.removesuffix(f"@{group}") if group else item.nodeid
-
-
 class Profiler:
   """The pytest plugin: one per process (xdist workers each record their own tests)."""
 
@@ -85,7 +77,7 @@ class Profiler:
 
   @pytest.hookimpl(hookwrapper=True)
   def pytest_runtest_protocol(self, item, nextitem):
-    self.current = {"test": test_id(item)}
+    self.current = {"test": item.nodeid}
     start = time.perf_counter()
     yield
     self.current["wall"] = time.perf_counter() - start

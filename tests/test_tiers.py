@@ -34,8 +34,8 @@ OVERHEAD_S = 45
 # test that proves the property it names; its large version is in the second tier).
 LONG_DEFAULT: dict[str, str] = {
     "tests/test_training.py::test_train_then_eval_end_to_end":
-        "runs the module's reference training run (train.py in a subprocess; the first of its xdist "
-        "group), which the libtpu-quiet, eval and predict tests then read",
+        "runs the module's reference training run (train.py in a subprocess; the first test to read it "
+        "pays it), which the libtpu-quiet, eval and predict tests then read",
     "tests/test_tiers.py::test_default_tier_keeps_what_the_rule_names":
         "collects the default tier in a subprocess (both tests of the module read it)",
     "tests/test_docs_snippets.py::test_snippet_runs[docs/contract.md:7]":
