@@ -24,6 +24,8 @@ Stages (each resumable: a run whose record exists is not redone):
   select   every arm x every --lrs at seed 0, scored on dev (the test split is not read)
   run      every arm at its best dev learning rate x every --seeds, then one prediction of the test
            split per run (the test labels are read here and only here)
+  all      select then run, one arm at a time (an arm's seed-0 workdirs are freed before the next
+           arm starts; each finished arm is final, so a study can span several sittings)
   report   mean +- std per arm over seeds, and per seed paired bootstrap intervals (--bootstrap
            resamples of the test documents) of each arm's metric minus arm (a)'s; the summary goes to
            OUT/summary.json
@@ -100,7 +102,7 @@ class Study:
     o = [*self._common(seed), f"--config.task={a.task}", f"--config.train.learning_rate={lr}",
          f"--config.train.num_steps={steps}", f"--config.train.warmup_steps={max(1, steps // 10)}",
          f"--config.train.eval_every={steps}", f"--config.model.max_len={a.long if long_arm else a.short}",
-         "--config.model.pooling=cls", "--config.data.packing=False"]
+         f"--config.model.pooling={a.pooling}", "--config.data.packing=False"]
     if a.task == "multi_label_classification":
       o += ["--config.eval.threshold=tune", "--config.checkpoint.best_metric=micro_f1"]
     if arm == "b":
@@ -178,15 +180,28 @@ class Study:
 
   # -- stages -----------------------------------------------------------------------------------
 
-  def select(self) -> dict:
-    best = {}
-    for arm in self.args.arms:
-      scores = {lr: self.finetune(arm, lr, 0, test=False)["dev"][PRIMARY[self.args.task]]
-                for lr in self.args.lrs}
-      best[arm] = max(scores, key=lambda lr: (scores[lr], -lr))
-      print(f"arm {arm} ({ARM_NAMES[arm]}): dev {PRIMARY[self.args.task]} by lr {scores} -> {best[arm]:g}")
-    (self.out / "selected.json").write_text(json.dumps(best, indent=1) + "\n")
+  def select_arm(self, arm: str) -> float:
+    """The arm's learning rate with the best dev metric at seed 0 (ties: the smaller); selected.json."""
+    primary = PRIMARY[self.args.task]
+    scores = {lr: self.finetune(arm, lr, 0, test=False)["dev"][primary] for lr in self.args.lrs}
+    best = max(scores, key=lambda lr: (scores[lr], -lr))
+    print(f"arm {arm} ({ARM_NAMES[arm]}): dev {primary} by lr {scores} -> {best:g}", flush=True)
+    path = self.out / "selected.json"
+    selected = json.loads(path.read_text()) if path.exists() else {}
+    selected[arm] = best
+    path.write_text(json.dumps(selected, indent=1, sort_keys=True) + "\n")
     return best
+
+  def select(self) -> dict:
+    return {arm: self.select_arm(arm) for arm in self.args.arms}
+
+  def run_all(self) -> None:
+    for arm in self.args.arms:
+      best = self.select_arm(arm)
+      for seed in self.args.seeds:
+        self.finetune(arm, best, seed, test=True)
+      for lr in self.args.lrs:  # the unselected seed-0 runs' workdirs
+        shutil.rmtree(self.work / f"{arm}-lr{lr:g}-seed0", ignore_errors=True)
 
   def run(self) -> None:
     path = self.out / "selected.json"
@@ -194,6 +209,8 @@ class Study:
       raise SystemExit(f"{path} is missing: run the select stage first")
     best = json.loads(path.read_text())
     for arm in self.args.arms:
+      if arm not in best:
+        raise SystemExit(f"{path} has no learning rate for arm {arm}: run its select stage first")
       for seed in self.args.seeds:
         self.finetune(arm, best[arm], seed, test=True)
 
@@ -225,6 +242,7 @@ class Study:
                        "ci95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))]})
       arms[arm]["paired_vs_a"] = deltas
     summary = {"date": datetime.date.today().isoformat(), "dataset": str(self.args.dataset),
+               "pooling": self.args.pooling, "mlm_lr": self.args.mlm_lr,
                "task": self.args.task, "metric": primary, "test_documents": len(gold),
                "budget_tokens": self.args.budget_tokens,
                "short": self.args.short, "long": self.args.long, "batch": self.args.batch,
@@ -288,7 +306,7 @@ def _scorer(task: str, gold: list):
 
 def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("stage", choices=("select", "run", "report"))
+  parser.add_argument("stage", choices=("select", "run", "all", "report"))
   parser.add_argument("--dataset", type=pathlib.Path, required=True, help="a folder of train/dev/test.jsonl")
   parser.add_argument("--task", default="classification", choices=tuple(PRIMARY))
   parser.add_argument("--out", type=pathlib.Path, required=True, help="results folder (runs/, summary.json)")
@@ -298,6 +316,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--short", type=int, default=512)
   parser.add_argument("--long", type=int, default=2048)
   parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--pooling", default="mean", choices=("mean", "cls"),
+                      help="the document (or chunk) vector: all-MiniLM-L6-v2 was trained with mean pooling")
   parser.add_argument("--budget-tokens", type=int, default=1_048_576, help="tokens per fine-tuning run")
   parser.add_argument("--lrs", type=float, nargs="+", default=[5e-5, 1e-4, 2e-4])
   parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
@@ -311,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
   if args.stage == "report" and len(args.seeds) < 2:
     parser.error("--seeds: the report's std needs at least 2 seeds")
   study = Study(args)
-  getattr(study, args.stage)()
+  getattr(study, {"all": "run_all"}.get(args.stage, args.stage))()
 
 
 if __name__ == "__main__":

@@ -6,7 +6,9 @@ Reuter_50_50 (UCI; texts from Reuters RCV1, research use): 50 journalists, 50 ar
 official train and test folders; the task is the author. MIRROR is a git directory holding the UCI
 folders as `data/C50train/<author>/<id>newsML.txt` and `data/C50test/...` (zpantovic/Reuter_50_50 at
 COMMIT). No dev split exists: --dev-per-author articles of each author's training ones (a seeded
-shuffle) become dev. Text is read as UTF-8, its CRLF line ends made LF and outer blanks stripped.
+shuffle) become dev. --authors N keeps N authors (a seeded sample, for a study sized to a small
+machine) and --test-per-author M the first M of each one's test articles (a seeded shuffle).
+Text is read as UTF-8, its CRLF line ends made LF and outer blanks stripped.
 Nothing is downloaded; the study's results files name the commit.
 """
 
@@ -53,11 +55,28 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--commit", default=COMMIT)
   parser.add_argument("--out", type=pathlib.Path, required=True)
   parser.add_argument("--dev-per-author", type=int, default=5)
+  parser.add_argument("--authors", type=int, default=50, help="how many of the 50 authors to keep")
+  parser.add_argument("--test-per-author", type=int, default=50, help="test articles kept per author")
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  if not 2 <= args.authors <= 50:
+    parser.error(f"--authors must be in [2, 50]; got {args.authors}")
+  if not 1 <= args.test_per_author <= 50:
+    parser.error(f"--test-per-author must be in [1, 50]; got {args.test_per_author}")
   train_all = read_split(args.git_dir, args.commit, "data/C50train")
-  test = read_split(args.git_dir, args.commit, "data/C50test")
+  test_all = read_split(args.git_dir, args.commit, "data/C50test")
   rng = random.Random(args.seed)
+  kept = set(rng.sample(sorted({r["label"] for r in train_all}), args.authors))
+  train_all = [r for r in train_all if r["label"] in kept]
+  test_by_author = collections.defaultdict(list)
+  for row in test_all:
+    if row["label"] in kept:
+      test_by_author[row["label"]].append(row)
+  test = []
+  for author in sorted(test_by_author):
+    rows = list(test_by_author[author])
+    rng.shuffle(rows)
+    test += rows[:args.test_per_author]
   by_author = collections.defaultdict(list)
   for row in train_all:
     by_author[row["label"]].append(row)
