@@ -190,6 +190,25 @@ def test_explain_takes_shape_structs():
   assert e.blocks_visited < e.blocks_total
 
 
+@pytest.mark.parametrize("impl", ["flash_pallas", "xla_chunked", "auto"])
+def test_explain_takes_shape_structs_for_a_decode_with_segment_ids(impl):
+  # A decode-shaped request (a few queries against a cache with per-row lengths): with arrays the
+  # tiles read are counted from the segment ids; with only their shapes they are unknown (None),
+  # and explain still names the impl and its configuration.
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.standard_normal((2, 2, 4, 64)), jnp.float32)
+  k = jnp.asarray(rng.standard_normal((2, 1024, 2, 64)), jnp.float32)
+  q_seg = jnp.ones((2, 2), jnp.int32)
+  kv_seg = jnp.where(jnp.arange(1024)[None] < jnp.array([[1024], [300]]), 1, -1).astype(jnp.int32)
+  kwargs = {"impl": impl, "causal": True, "q_offset": 1022}
+  concrete = fl.explain(q, k, k, segment_ids=q_seg, kv_segment_ids=kv_seg, **kwargs)
+  shapes = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, k, q_seg, kv_seg)]
+  abstract = fl.explain(*shapes[:3], segment_ids=shapes[3], kv_segment_ids=shapes[4], **kwargs)
+  assert abstract.impl == concrete.impl and abstract.impl == (impl if impl != "auto" else concrete.impl)
+  if impl == "flash_pallas":
+    assert abstract.blocks_visited is None and concrete.blocks_visited < concrete.blocks_total
+
+
 def test_auto_logs_its_choice_once_per_signature(caplog):
   # Shapes used nowhere else, so no other test has logged this signature already.
   q, k, v = qkv(b=1, t=23, h=3, d=24)

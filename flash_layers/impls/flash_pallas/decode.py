@@ -242,10 +242,11 @@ def with_splits(request: Request, block_kv: int, target: int) -> tuple[int, int]
 
 
 def _concrete_plan(request: Request, args: Args, family: str):
-  """(call, plan as NumPy) when the segment ids and offsets are known while tracing, else (call, None)."""
+  """(call, plan as NumPy) when the segment ids and offsets are known while tracing, else (call, None):
+  traced, or only shapes (`fl.explain` takes ShapeDtypeStructs)."""
   call = _call(request, args, family, interpret=True)
-  if any(isinstance(x, jax.core.Tracer) for x in (args.q_segment_ids, args.kv_segment_ids,
-                                                  args.q_offset, args.kv_offset)):
+  known = (args.q_segment_ids, args.kv_segment_ids, args.q_offset, args.kv_offset)
+  if any(isinstance(x, (jax.core.Tracer, jax.ShapeDtypeStruct)) for x in known):
     return call, None
   offsets = scalar_table.offsets_table(args.q_offset, args.kv_offset)
   return call, np.asarray(plan(call, args.q_segment_ids, args.kv_segment_ids, offsets))
