@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import jax
 import jax.numpy as jnp
 
 import flash_layers as fl
+from benchmarks.machine import cpu_model  # noqa: F401  (re-exported: benchmarks call cpu_dense.cpu_model)
 from flash_layers import validate
 from flash_layers.impls import REGISTRY
 
@@ -113,18 +113,6 @@ def measure(shape, variants, mask_kind: str, dtype: str, rounds: int, progress=N
       row["flax_cpu_over_ours"] = base / statistics.median(cpu[name])
     rows.append(row)
   return rows
-
-
-def cpu_model() -> str:
-  """The processor's model name (Linux), else what `platform` knows."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
 
 
 def markdown(rows: list[dict]) -> str:

@@ -40,8 +40,6 @@ import datetime
 import json
 import os
 import pathlib
-import platform
-import resource
 import shutil
 import statistics
 import subprocess
@@ -53,6 +51,7 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
+from benchmarks.machine import children_cpu, cpu_model
 from flash_layers import data, models
 from flash_layers.data import eval_plan
 from flash_layers.parallel.mesh import make_mesh
@@ -170,26 +169,11 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 SCORE_FIELDS = ("accuracy", "macro_f1", "loss", "num_examples", "confusion_matrix")
 
 
-def _cpu_model() -> str:
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "CPU"
-
-
-def _children_cpu() -> float:
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
-
-
 def _run_timed(command: list[str]) -> dict:
   """Run `command` from the repository root; its CPU and wall seconds, and the load around it."""
-  load_before, cpu0, wall0 = os.getloadavg()[0], _children_cpu(), time.perf_counter()
+  load_before, cpu0, wall0 = os.getloadavg()[0], children_cpu(), time.perf_counter()
   proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
-  out = {"cpu_s": round(_children_cpu() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),
+  out = {"cpu_s": round(children_cpu() - cpu0, 2), "wall_s": round(time.perf_counter() - wall0, 2),
          "load_before": round(load_before, 2), "load_after": round(os.getloadavg()[0], 2)}
   if proc.returncode:
     raise RuntimeError(f"{' '.join(command)} exited {proc.returncode}:\n{proc.stderr[-4000:]}")
@@ -274,7 +258,7 @@ def _write_e2e(args, lengths, runs, scores) -> dict:
       summary[f"ratio_cpu_{kind}_rounds"] = [round(x["cpu_s"] / y["cpu_s"], 3) for x, y in zip(
           a["runs"], b["runs"], strict=False)]  # the rounds both lengths finished
   result = {"benchmark": "eval.py end to end", "date": datetime.date.today().isoformat(),
-            "hardware": f"{os.cpu_count()}-core {_cpu_model()} VM, CPU only",
+            "hardware": f"{os.cpu_count()}-core {cpu_model()} VM, CPU only",
             "command": f"python eval.py --config {args.e2e_config} --config.model.max_len=N "
                        "--workdir=... --config.compilation_cache_dir=...",
             "rounds": args.rounds, "rounds_done": min(len(runs[n]["warm"]) for n in lengths),

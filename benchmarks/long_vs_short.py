@@ -51,7 +51,7 @@ import time
 import numpy as np
 
 from benchmarks import cpu_dense
-from benchmarks.tasks import children_cpu
+from benchmarks.machine import children_cpu
 from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import task_metrics
 

@@ -18,12 +18,12 @@ import datetime
 import json
 import os
 import pathlib
-import platform
-import resource
 import shutil
 import subprocess
 import tempfile
 import time
+
+from benchmarks.machine import children_cpu, cpu_model
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 WORKDIR = "runs/quickstart"
@@ -53,35 +53,20 @@ def stages(command: str) -> list[tuple[str, str]]:
   return named
 
 
-def _children_cpu() -> float:
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
-
-
-def _cpu_model() -> str:
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or "unknown"
-
-
 def run(out: pathlib.Path | None, plot: pathlib.Path | None = None,
         keep: pathlib.Path | None = None) -> dict:
   command = readme_command()
   workdir = pathlib.Path(tempfile.mkdtemp(prefix="quickstart-"))
   env = {**os.environ, "FLASH_LAYERS_CACHE": str(workdir / "cache")}  # a first run: nothing compiled yet
   result = {"command": command, "date": datetime.date.today().isoformat(),
-            "machine": f"{os.cpu_count()}-core CPU, {_cpu_model()}",
+            "machine": f"{os.cpu_count()}-core CPU, {cpu_model()}",
             "load_average_before": os.getloadavg(), "compilation_cache": "empty (first run)",
             "stages": {}}
   try:
     for name, part in stages(command.replace(WORKDIR, str(workdir))):
-      cpu0, wall0 = _children_cpu(), time.perf_counter()
+      cpu0, wall0 = children_cpu(), time.perf_counter()
       subprocess.run(["bash", "-c", part], cwd=REPO, env=env, check=True)
-      result["stages"][name] = {"wall_s": time.perf_counter() - wall0, "cpu_s": _children_cpu() - cpu0}
+      result["stages"][name] = {"wall_s": time.perf_counter() - wall0, "cpu_s": children_cpu() - cpu0}
       print(f"{name}: {result['stages'][name]}", flush=True)
     result["load_average_after"] = os.getloadavg()
     metrics = json.loads((workdir / "eval_metrics.json").read_text())

@@ -18,7 +18,6 @@ import json
 import os
 import pathlib
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -26,14 +25,9 @@ import tempfile
 import time
 
 from benchmarks import cpu_dense
+from benchmarks.machine import children_cpu
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def children_cpu() -> float:
-  """CPU seconds (user + system) of this process's finished children."""
-  usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-  return usage.ru_utime + usage.ru_stime
 
 
 def run(config: str, overrides: list[str]) -> dict:
