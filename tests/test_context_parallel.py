@@ -85,16 +85,14 @@ def test_every_strategy_on_eight_devices_in_one_process():
   assert {r["strategy"] for r in results} == {*STRATEGIES, "auto"}
 
 
-# One subprocess per strategy: the whole request table on the three sequence meshes, xla_chunked.
-@pytest.mark.parametrize("strategy", STRATEGIES)
-def test_every_request_on_every_sequence_mesh(strategy):
-  results = _run(["xla_chunked", strategy, "", ",".join(SEQUENCE_MESHES)])
-  _check(results, len(cp_worker.REQUESTS) * len(SEQUENCE_MESHES))
-
-
-def test_every_request_on_data_and_tensor_meshes():
-  results = _run(["xla_chunked", "auto", "", ",".join(OTHER_MESHES)])
-  _check(results, len(cp_worker.REQUESTS) * len(OTHER_MESHES))
+# One interpreter runs the whole table, xla_chunked: every request with every strategy on the three
+# sequence meshes and with auto on the data and tensor meshes (each request's unsharded call is
+# computed once and compared with all of its sharded ones).
+def test_every_request_on_every_mesh_with_every_strategy():
+  results = _run(["xla_chunked", ",".join(STRATEGIES), "", ",".join(SEQUENCE_MESHES + OTHER_MESHES)])
+  _check(results, len(cp_worker.REQUESTS) * (len(SEQUENCE_MESHES) * len(STRATEGIES) + len(OTHER_MESHES)))
+  assert {(r["mesh"], r["strategy"]) for r in results} == {
+      *((m, s) for m in SEQUENCE_MESHES for s in STRATEGIES), *((m, "auto") for m in OTHER_MESHES)}
 
 
 def test_reference_on_every_strategy():
@@ -103,21 +101,17 @@ def test_reference_on_every_strategy():
   _check(results, len(requests) * (1 + len(STRATEGIES)))
 
 
-# The flash kernels, interpreted (TPU family on a CPU host): packed documents, a mask_mod with a per-row
-# operand and a trainable table, each strategy once on the sequence mesh (Ulysses: a head split).
-def test_interpreted_flash_kernels_on_every_strategy():
+# The flash kernels, interpreted (TPU family on a CPU host), in one interpreter: packed documents, a
+# mask_mod with a per-row operand and a trainable table, each strategy once on the sequence mesh
+# (Ulysses: a head split), and auto on data x tensor, where the prefix-LM mask_mod reads prefix[b] and
+# the T5 table table[h] with the global row and head a shard adds (scalar_table.origin).
+# (tests/test_sharded_mods.py holds the kernels to the reference on a slice in one process, where a
+# tile fully visible to local rows or heads would skip the mask.)
+def test_interpreted_flash_kernels_on_every_strategy_and_on_batch_and_head_splits():
   requests = ["packed", "prefix_lm", "t5_table"]
-  results = _run(["flash_pallas", ",".join(STRATEGIES), ",".join(requests), "sequence"])
-  _check(results, len(requests) * len(STRATEGIES))
-
-
-# Their mods on a batch and head split: the prefix-LM mask_mod reads prefix[b] and the T5 table table[h]
-# with the global row and head a shard adds (scalar_table.origin), on data x tensor. (Ulysses' head split
-# on the sequence mesh is the test above; tests/test_sharded_mods.py holds the kernels to the reference
-# on a slice in one process, where a tile fully visible to local rows or heads would skip the mask.)
-def test_interpreted_flash_kernels_read_mods_on_batch_and_head_splits():
-  results = _run(["flash_pallas", "auto", "prefix_lm,t5_table", "data_tensor"])
-  _check(results, 2)
+  results = _run(["flash_pallas", ",".join(STRATEGIES), ",".join(requests), "sequence,data_tensor"])
+  _check(results, len(requests) * (len(STRATEGIES) + 1))
+  assert {r["mesh"] for r in results if r["strategy"] == "auto"} == {"data_tensor"}
 
 
 # ----------------------------------------------------------------------------

@@ -61,14 +61,12 @@ def covering(dimensions: Sequence[Sequence]) -> set[tuple]:
 CP = "tests/test_context_parallel.py::"
 SECOND_TIER: dict[str, str] = {
     # 8 simulated devices in subprocesses: the full strategy x mesh x request tables.
-    CP + "test_every_request_on_every_sequence_mesh[": "test_every_strategy_on_eight_devices_in_one_process",
-    CP + "test_every_request_on_data_and_tensor_meshes":
+    CP + "test_every_request_on_every_mesh_with_every_strategy":
         "test_every_strategy_on_eight_devices_in_one_process",
     CP + "test_reference_on_every_strategy": "test_every_strategy_on_eight_devices_in_one_process",
-    CP + "test_interpreted_flash_kernels_on_every_strategy": "test_sharded_mods.py (the kernels' global "
-    "offsets in one process) + the 8-device xla_chunked strategies",
-    CP + "test_interpreted_flash_kernels_read_mods_on_batch_and_head_splits": "test_sharded_mods.py::"
-    "test_a_shards_mods_see_global_rows_and_heads",
+    CP + "test_interpreted_flash_kernels_on_every_strategy_and_on_batch_and_head_splits":
+        "test_sharded_mods.py (the kernels' global offsets and a shard's rows and heads in one process) "
+        "+ the 8-device xla_chunked strategies",
     "tests/test_parallel.py::test_sharded_equals_unsharded[": "test_context_parallel's 8-device test, "
     "test_flax_attention_fn_shards_over_its_mesh_or_the_current_one, test_interpret_mesh.py",
     "tests/test_parallel.py::test_ring_with_gpu_kernels_interpreted":
