@@ -275,16 +275,15 @@ def _gold(path: pathlib.Path) -> list:
 def _scorer(task: str, gold: list):
   """score(predictions, index=None): the task's metrics of `predictions` against gold[index]."""
   if task == "classification":
-    names = sorted({*gold})
-    position = {n: i for i, n in enumerate(names)}
-
     def score(predicted, index=None):
       g = gold if index is None else [gold[i] for i in index]
-      confusion = np.zeros((len(names), len(names)))
-      for want, got in zip(g, predicted, strict=True):
-        if str(got) in position:  # a class never in the test split is a miss on every row it is predicted
-          confusion[position[want], position[str(got)]] += 1
-      return {"accuracy": float(np.mean([str(p) == w for p, w in zip(predicted, g, strict=True)])),
+      p = [str(x) for x in predicted]
+      # The classes of these gold and predicted labels, as scikit-learn's macro average takes them: a
+      # class predicted but never gold scores an F1 of 0.
+      position = {n: i for i, n in enumerate(sorted({*g, *p}))}
+      confusion = np.zeros((len(position), len(position)))
+      np.add.at(confusion, ([position[x] for x in g], [position[x] for x in p]), 1)
+      return {"accuracy": float(np.mean([x == w for x, w in zip(p, g, strict=True)])),
               "macro_f1": metrics_lib.macro_f1(confusion)}
     return score
   names = sorted({n for labels in gold for n in labels})
