@@ -214,6 +214,26 @@ class Study:
       for seed in self.args.seeds:
         self.finetune(arm, best[arm], seed, test=True)
 
+  def probe(self, gold: list, score, records: dict) -> dict:
+    """Where the arms differ: each one's metrics (mean over seeds) on the test documents that fit in
+    --short tokens, where truncation loses nothing, and on the longer ones, with the split's lengths."""
+    lengths = np.array(_lengths(self.args.dataset / "test.jsonl", self.args.tokenizer))
+    buckets = {f"<= {self.args.short}": np.flatnonzero(lengths <= self.args.short),
+               f"> {self.args.short}": np.flatnonzero(lengths > self.args.short)}
+    a = self.args
+    out = {"tokens": {"median": float(np.median(lengths)), "mean": float(lengths.mean()),
+                      "max": int(lengths.max()),
+                      **{f"share_above_{n}": float((lengths > n).mean()) for n in (a.short, a.long)}},
+           "documents": {name: len(idx) for name, idx in buckets.items()}, "arms": {}}
+    for arm, runs in records.items():
+      per_bucket = {}
+      for name, idx in buckets.items():
+        if len(idx):
+          scores = [score([r["test"][i] for i in idx], idx) for r in runs]
+          per_bucket[name] = {key: float(np.mean([x[key] for x in scores])) for key in scores[0]}
+      out["arms"][arm] = per_bucket
+    return out
+
   def report(self) -> dict:
     best = json.loads((self.out / "selected.json").read_text())
     gold = _gold(self.args.dataset / "test.jsonl")
@@ -249,6 +269,7 @@ class Study:
                "lrs": self.args.lrs, "seeds": self.args.seeds, "bootstrap": self.args.bootstrap, "arms": arms,
                "mlm": {w: json.loads(self._record_path(f"mlm_{w}").read_text())
                        for w in ("short", "long") if self._record_path(f"mlm_{w}").exists()},
+               "probe": self.probe(gold, score, records),
                "cpu_model": cpu_dense.cpu_model(), "machine": platform.machine(), "cpu_count": os.cpu_count()}
     (self.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for arm, row in arms.items():
@@ -256,6 +277,19 @@ class Study:
             *(f"vs a: {d['delta']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
               for d in row.get("paired_vs_a", [])))
     return summary
+
+
+def _lengths(path: pathlib.Path, tokenizer: str | None) -> list[int]:
+  """Each document's word-pieces (specials excluded, nothing truncated), by `tokenizer` (a tokenizer.json;
+  MiniLM's when None)."""
+  from tokenizers import Tokenizer  # noqa: PLC0415
+
+  from flash_layers.models import assets  # noqa: PLC0415
+  tok = Tokenizer.from_file(tokenizer or str(assets.minilm_dir() / "tokenizer.json"))
+  tok.no_truncation()
+  tok.no_padding()
+  texts = [json.loads(line)["text"] for line in path.read_text().splitlines() if line.strip()]
+  return [len(e.ids) - 2 for e in tok.encode_batch(texts)]  # less [CLS] and [SEP]
 
 
 def _metrics_only(report: dict) -> dict:
@@ -324,6 +358,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--mlm-long-steps", type=int, default=100)
   parser.add_argument("--mlm-lr", type=float, default=1e-4)
   parser.add_argument("--bootstrap", type=int, default=1000)
+  parser.add_argument("--tokenizer", default=None, help="tokenizer.json for the probe's lengths (MiniLM's)")
   args = parser.parse_args(argv)
   if args.long % args.short:
     parser.error(f"--long ({args.long}) must be a multiple of --short ({args.short}): arm b's chunks")

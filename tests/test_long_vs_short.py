@@ -28,7 +28,9 @@ def test_report_scores_means_and_paired_intervals(tmp_path):
   gold = [str(x) for x in rng.choice(["x", "y", "z"], size=60)]
   data = tmp_path / "data"
   data.mkdir()
-  (data / "test.jsonl").write_text("".join(json.dumps({"text": "t", "label": g}) + "\n" for g in gold))
+  texts = ["news " * 600 if i < 20 else "short news" for i in range(len(gold))]  # 20 above 512 tokens
+  rows = [json.dumps({"text": t, "label": g}) + "\n" for t, g in zip(texts, gold, strict=True)]
+  (data / "test.jsonl").write_text("".join(rows))
   out = tmp_path / "out"
   (out / "runs").mkdir(parents=True)
   (out / "selected.json").write_text(json.dumps({"a": 1e-4, "b": 2e-4, "c": 3e-4}))
@@ -60,3 +62,11 @@ def test_report_scores_means_and_paired_intervals(tmp_path):
     low, high = paired["ci95"]
     assert 0 < low < delta < high < 1  # 60 documents: wide, but c's large gain is outside chance
   assert all(p["delta"] == 0 and p["ci95"] == [0, 0] for p in summary["arms"]["b"]["paired_vs_a"])
+  # The probe: each arm's metrics on the documents that fit in 512 tokens and on the longer ones.
+  probe = summary["probe"]
+  assert probe["documents"] == {"<= 512": 40, "> 512": 20} and probe["tokens"]["max"] == 600
+  assert probe["tokens"]["share_above_512"] == pytest.approx(1 / 3)
+  for name, rows in (("> 512", range(20)), ("<= 512", range(20, 60))):
+    by_hand = np.mean([_macro_f1_by_hand([gold[i] for i in rows], [p[i] for i in rows])
+                       for p in predictions["c"]])
+    assert probe["arms"]["c"][name]["macro_f1"] == pytest.approx(by_hand, abs=1e-12)
