@@ -6,7 +6,7 @@
 
 DIR holds train/dev/test JSONL files of {"text": ..., "label": ...} (a list of labels: multi-label,
 `--task multi_label_classification`). Five arms, every one from all-MiniLM-L6-v2 (the Longformer and
-LexGLUE comparisons of issue 43):
+LexGLUE comparisons), and a probe:
 
   a  truncate      the first --short tokens (512)
   b  hierarchical  up to --long / --short chunks of --short tokens, pooled by a learned attention
@@ -14,6 +14,8 @@ LexGLUE comparisons of issue 43):
   d  mlm_short     masked-LM at --short on the training split's text, then (a) from that encoder
   e  mlm_long      masked-LM at --short (it trains MiniLM's missing MLM head), the positions copied and
                    masked-LM continued at --long, then (c) from that encoder
+  f  long_steps    (c) with as many steps as (a), so --long / --short times its tokens: a probe, outside
+                   the equal budget, of whether (c) loses to (a) by its context or by its fewer updates
 
 Every fine-tuning run sees the same number of tokens (--budget-tokens: steps = budget / (batch x
 tokens per row), so an arm at 2,048 takes a quarter of the steps of one at 512) and the same
@@ -56,8 +58,9 @@ from flash_layers.training import metrics as metrics_lib
 from flash_layers.training import task_metrics
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-ARMS = ("a", "b", "c", "d", "e")
-ARM_NAMES = {"a": "truncate", "b": "hierarchical", "c": "long", "d": "mlm_short", "e": "mlm_long"}
+ARMS = ("a", "b", "c", "d", "e", "f")
+ARM_NAMES = {"a": "truncate", "b": "hierarchical", "c": "long", "d": "mlm_short", "e": "mlm_long",
+             "f": "long_steps"}
 PRIMARY = {"classification": "macro_f1", "multi_label_classification": "micro_f1"}
 
 
@@ -96,8 +99,8 @@ class Study:
 
   def arm_overrides(self, arm: str, lr: float, seed: int) -> list[str]:
     a = self.args
-    long_arm = arm in ("c", "e")
-    row = a.long if arm in ("b", "c", "e") else a.short
+    long_arm = arm in ("c", "e", "f")
+    row = a.long if arm in ("b", "c", "e") else a.short  # f: (a)'s steps at (c)'s length
     steps = self._steps(row)
     o = [*self._common(seed), f"--config.task={a.task}", f"--config.train.learning_rate={lr}",
          f"--config.train.num_steps={steps}", f"--config.train.warmup_steps={max(1, steps // 10)}",
