@@ -734,5 +734,28 @@ REGISTRY.update({
     "position_copy.masked_from_512": Number(_POSITION_COPY, "final.masked_from_512", ",d"),
 })
 
+# docs/training.md: the long-versus-short study (benchmarks/long_vs_short.py), the arms measured so far.
+_LVS = "long-vs-short-2026-12-07/summary.json"
+_LVS_ARMS = ("a", "c")
+REGISTRY.update({
+    "lvs.test_documents": Number(_LVS, "test_documents", "d"),
+    "lvs.budget_tokens": Number(_LVS, "budget_tokens", ",d"),
+    "lvs.median_tokens": Number(_LVS, "probe.tokens.median", ".0f"),
+    "lvs.max_tokens": Number(_LVS, "probe.tokens.max", ",d"),
+    "lvs.share_above_512": Number(_LVS, "probe.tokens.share_above_512", ".0f", 100),
+    "lvs.share_above_1024": Number(_LVS, "probe.tokens.share_above_1024", ".1f", 100),
+    "lvs.documents_above_512": Number(_LVS, "probe.documents.> 512", "d"),
+    "lvs.documents_within_512": Number(_LVS, "probe.documents.<= 512", "d"),
+    **{f"lvs.{arm}.{k}": Number(_LVS, f"arms.{arm}.{k}", ".1f", 100)
+       for arm in _LVS_ARMS for k in ("mean", "std")},
+    **{f"lvs.{arm}.seed{i}": Number(_LVS, f"arms.{arm}.values.[{i}]", ".1f", 100)
+       for arm in _LVS_ARMS for i in range(3)},
+    **{f"lvs.{arm}.lr": Number(_LVS, f"arms.{arm}.lr", "g") for arm in _LVS_ARMS},
+    **{f"lvs.c.vs_a.seed{i}.{k}": Number(_LVS, f"arms.c.paired_vs_a.[{i}].{path}", "+.1f", 100)
+       for i in range(3) for k, path in (("delta", "delta"), ("low", "ci95.[0]"), ("high", "ci95.[1]"))},
+    **{f"lvs.{arm}.{bucket}": Number(_LVS, f"probe.arms.{arm}.{name}.macro_f1", ".1f", 100)
+       for arm in _LVS_ARMS for bucket, name in (("within_512", "<= 512"), ("above_512", "> 512"))},
+})
+
 if __name__ == "__main__":
   sys.exit(main())
