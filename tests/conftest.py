@@ -54,7 +54,8 @@ os.environ["FLASH_LAYERS_TUNING_SHIPPED"] = "0"
 # Scheduling only: tests recorded in tests/durations.json at LONG_TEST_S or more start first, longest
 # first, so that `pytest -n 2` does not end with one worker running a minute-long test while the other
 # idles; the rest keep file order (module fixtures stay together). A stale figure changes the order,
-# never a result. `--random-order` (pytest-random-order) shuffles instead.
+# never a result. pyproject's addopts shuffle by module (pytest-random-order), and then this order is not
+# used: it was markedly slower on the 2-core VM (docs/benchmarks.md).
 LONG_TEST_S = 5.0
 
 
