@@ -38,6 +38,7 @@ import pytest
 import tiering
 
 import flash_layers as fl
+from flash_layers import lowering
 from flash_layers.testing import reference64
 
 # (impl, interpret platform or None). One line per impl or interpret platform.
@@ -494,12 +495,18 @@ def make_problem(cfg: Config, dtype: str, seed: int | None = None) -> Problem:
   return Problem(cfg, dtype, seed, arrays, seg, expected, bias, sinks, ops)
 
 
-def _interpret(platform):
-  return fl.interpret_as(platform) if platform else contextlib.nullcontext()
+def _interpret(platform, tpu_params=None):
+  if not platform:
+    return contextlib.nullcontext()
+  return fl.interpret_as(platform, params=tpu_params if platform == "tpu" else None)
 
 
-def run_case(case, problem: Problem) -> dict:
-  """Forward and dq, dk, dv of `case` on `problem`, in one compiled function."""
+def run_case(case, problem: Problem, tpu_params=None) -> dict:
+  """Forward and dq, dk, dv of `case` on `problem`, in one compiled function.
+
+  tpu_params: how an interpreted TPU case is interpreted (`fl.interpret_as`'s params): None, the
+  TPU-semantics interpreter, or "plain" (numerics only; see the second tier's rule above test_conforms).
+  """
   impl, platform = case
   kwargs = problem.kwargs
 
@@ -530,7 +537,7 @@ def run_case(case, problem: Problem) -> dict:
   sinks = None if problem.sinks is None else jnp.asarray(problem.sinks)
   float_ops = tuple(jnp.asarray(x) for x, f in zip(problem.mod_operands, floats, strict=True) if f)
   other_ops = tuple(jnp.asarray(x) for x, f in zip(problem.mod_operands, floats, strict=True) if not f)
-  with _interpret(platform):
+  with _interpret(platform, tpu_params):
     result = jax.jit(fwd_bwd)(*arrays, seg, bias, sinks, float_ops, other_ops)
   return {name: np.asarray(x.astype(jnp.float32), np.float64) for name, x in result.items()}
 
@@ -564,14 +571,14 @@ def _reference_bf16_errors(cfg: Config, seed: int | None) -> dict:
   return relative_errors(run_case(("reference", None), problem), problem.expected)
 
 
-def check_case(case, problem: Problem):
+def check_case(case, problem: Problem, tpu_params=None):
   """Run `case` on `problem` and assert it conforms (or refuses, if REFUSED says so)."""
   refused = problem.cfg.features() & set(REFUSED.get(case, ()))
   if refused:
     with pytest.raises(fl.UnsupportedError, match="|".join(sorted(refused))):
-      run_case(case, problem)
+      run_case(case, problem, tpu_params)
     return
-  actual = run_case(case, problem)
+  actual = run_case(case, problem, tpu_params)
   errors = relative_errors(actual, problem.expected)
   if problem.dtype == "float32":
     limits = {name: F32_TOL for name in errors}
@@ -616,6 +623,15 @@ def _bf16_configs(case) -> tuple[str, ...]:
 # needs to show is one feature, or one of the interactions listed in _attributes (GQA x segment ids x
 # several tiles, causal x window, cross lengths x causal, ...), on that case; so each case keeps each
 # feature and each listed interaction at least once. Refusals raise before anything compiles: all kept.
+#
+# Interpreters: an interpreted TPU case of the default tier runs under the TPU-semantics interpreter
+# (`pltpu.InterpretParams`: uninitialized buffers read as NaN, out-of-bounds reads raise), so every
+# kernel path, each feature and each listed interaction, is checked for memory errors as well as numbers.
+# Which buffer a kernel reads, and whether it wrote it first, is a property of its code path, not of
+# the sizes; the second tier's configurations add sizes and combinations of paths the default tier
+# holds, and check their numbers under the plain interpreter (`fl.interpret_as("tpu", params="plain")`:
+# the same kernel bodies and numerics, without the simulated memory's io callbacks, several times
+# faster on long grids). The strict tier (test_tpu_strict.py) adds races and megacore on its own walk.
 # ----------------------------------------------------------------------------
 
 def _attributes(cfg: Config, dtype: str = "float32") -> set:
@@ -668,7 +684,8 @@ def default_tier(case, dtype: str) -> frozenset[str]:
     for case in CASES for cfg in CONFIGS if _runs(case, cfg)
     for dtype in ("float32", "bfloat16") if dtype == "float32" or cfg.name in _bf16_configs(case)])
 def test_conforms(case, config, dtype):
-  check_case(case, make_problem(CONFIG_BY_NAME[config], dtype))
+  tpu_params = None if config in default_tier(case, dtype) else lowering.PLAIN
+  check_case(case, make_problem(CONFIG_BY_NAME[config], dtype), tpu_params=tpu_params)
 
 
 def test_configs_cover_the_contract():

@@ -103,9 +103,38 @@ def test_interpret_params_are_checked():
   with pytest.raises(ValueError, match="params apply to platform 'tpu' only"), \
       fl.interpret_as("gpu", params=strict.params(0)):
     pass
-  with pytest.raises(ValueError, match="InterpretParams or None; got dict"), \
+  with pytest.raises(ValueError, match="InterpretParams, 'plain' or None; got {'detect_races': True}"), \
       fl.interpret_as("tpu", params={"detect_races": True}):
     pass
+  with pytest.raises(ValueError, match="InterpretParams, 'plain' or None; got 'fast'"), \
+      fl.interpret_as("tpu", params="fast"):
+    pass
+  with pytest.raises(ValueError, match="params apply to platform 'tpu' only"), \
+      fl.interpret_as("gpu", params="plain"):
+    pass
+
+
+def test_the_plain_interpreter_computes_the_same_without_simulated_memory():
+  """params="plain": the same kernel bodies on the same numerics, bit for bit, forward and backward;
+  the TPU-semantics interpreter's io callbacks (its simulated memory) are gone from the program."""
+  rng = np.random.default_rng(0)
+  q, k, v, dout = (jnp.asarray(rng.standard_normal((1, 160, 1, 32)), jnp.float32) for _ in range(4))
+  seg = jnp.asarray(np.repeat([1, 2], 80)[None])  # two documents, the second across the tile edge
+
+  def fwd_bwd(q, k, v):
+    out, vjp = jax.vjp(lambda *x: fl.attention(*x, impl="flash_pallas", causal=True, segment_ids=seg,
+                                               block_sizes=fl.BlockSizes(128, 128)), q, k, v)
+    return out, *vjp(dout)
+
+  results, programs = {}, {}
+  for params in (None, "plain"):
+    with fl.interpret_as("tpu", params=params):  # a new function each time: jit's trace cache ignores params
+      compiled = jax.jit(lambda *x: fwd_bwd(*x)).lower(q, k, v).compile()
+    programs[params], results[params] = compiled.as_text(), compiled(q, k, v)
+  assert "python_cpu_callback" in programs[None]
+  assert "python_cpu_callback" not in programs["plain"]
+  for name, a, b in zip(("out", "dq", "dk", "dv"), results[None], results["plain"], strict=True):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
 def test_strict_configs_cover_the_tier():

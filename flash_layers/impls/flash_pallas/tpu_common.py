@@ -83,10 +83,11 @@ def interpret_arg(interpret: bool):
 
   Under `fl.interpret_as("tpu")`: the TPU-semantics interpreter (`pltpu.InterpretParams`:
   uninitialized memory reads as NaN, out-of-bounds reads raise), with the settings given to
-  `interpret_as(..., params=)` when there are some (the strict test tier). Otherwise an interpreted kernel
-  is the CPU branch of the dispatcher's `platform_dependent`, next to the compiled TPU branch;
-  InterpretParams' io callbacks carry an ordered effect that the TPU branch lacks, and JAX then
-  fails to lower the TPU branch alone. The plain interpreter (`True`) has no effects.
+  `interpret_as(..., params=)` when there are some (the strict test tier); `params="plain"` asks for
+  the plain interpreter (`True`: numerics only, no simulated memory, no callbacks). Otherwise an
+  interpreted kernel is the CPU branch of the dispatcher's `platform_dependent`, next to the
+  compiled TPU branch; InterpretParams' io callbacks carry an ordered effect that the TPU branch
+  lacks, and JAX then fails to lower the TPU branch alone. The plain interpreter (`True`) has no effects.
 
   Inside a `shard_map` over several devices the plain interpreter is used too: InterpretParams
   holds every device at a barrier when a kernel starts, while its callbacks copy their arguments
@@ -98,7 +99,10 @@ def interpret_arg(interpret: bool):
   params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
   if params is None or lowering.interpreting() != "tpu" or lowering.manual_device_count() > 1:
     return True
-  return lowering.interpret_params() or params()
+  chosen = lowering.interpret_params()
+  if isinstance(chosen, str) and chosen == lowering.PLAIN:
+    return True
+  return chosen or params()
 
 
 def compiler_params(semantics: tuple[str, ...], vmem_bytes: int | None = None):
