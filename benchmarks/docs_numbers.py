@@ -699,6 +699,27 @@ REGISTRY.update({
     "tests.mutants.total": Number(_MUTANTS, "mutants_count", "d"),
     "tests.mutants.caught": Number(_MUTANTS, "caught_count", "d"),
 })
+# Re-measured in the afternoon: a plain `.ci/run` (both tiers, no coverage) on a fresh clone, the default
+# tier of an earlier `.ci/run` round, and the tier in a checkout against tests/durations.json.
+_TESTS_CI_PLAIN = "test-time-ci-afdc071-2026-12-07.json"
+_TESTS_CI_EARLIER = "test-time-ci-de009be-2026-12-07.json"
+_TESTS_CHECKOUT = "test-time-checkout-2026-12-07.json"
+REGISTRY.update({
+    "tests.ci_plain.wall_min": Number(_TESTS_CI_PLAIN, "rounds.[0].wall_s", ".1f", 1 / 60),
+    "tests.ci_plain.commit": Number(_TESTS_CI_PLAIN, "commit", "s"),
+    "tests.ci_plain.default_count": Number(_TESTS_CI_PLAIN, "rounds.[0].tiers.[0].passed", ",d"),
+    "tests.ci_plain.default_min": Number(_TESTS_CI_PLAIN, "rounds.[0].tiers.[0].seconds", ".1f", 1 / 60),
+    "tests.ci_plain.slow_count": Number(_TESTS_CI_PLAIN, "rounds.[0].tiers.[1].passed", ",d"),
+    "tests.ci_plain.slow_min": Number(_TESTS_CI_PLAIN, "rounds.[0].tiers.[1].seconds", ".1f", 1 / 60),
+    "tests.ci_earlier.default_min": Number(_TESTS_CI_EARLIER, "rounds.[0].tiers.[0].seconds", ".1f", 1 / 60),
+    "tests.checkout.wall_min": Number(_TESTS_CHECKOUT, "wall_s", ".1f", 1 / 60),
+    "tests.checkout.ratio": Number(_TESTS_CHECKOUT, "ratio_now_over_recorded", ".2f"),
+    "tests.checkout.recorded_s": Number(_TESTS_CHECKOUT, "same_tests_one_process.recorded_sum_s_under_n2",
+                                        ".1f"),
+    "tests.checkout.same_min_s": Number(_TESTS_CHECKOUT, "same_tests_one_process.rounds.[4].s", ".1f"),
+    "tests.checkout.same_max_s": Number(_TESTS_CHECKOUT, "same_tests_one_process.rounds.[0].s", ".1f"),
+    "tests.checkout.gemm": Number(_TESTS_CHECKOUT, "gemm_gflops_4096_f32", ".0f"),
+})
 
 
 # docs/training.md: the task configs' worked examples (benchmarks/tasks.py) and the position copy from 512
