@@ -757,7 +757,7 @@ REGISTRY.update({
 
 # docs/training.md: the long-versus-short study (benchmarks/long_vs_short.py), the arms measured so far.
 _LVS = "long-vs-short-2026-12-07/summary.json"
-_LVS_ARMS = ("a", "c")
+_LVS_ARMS = ("a", "b", "c")
 REGISTRY.update({
     "lvs.test_documents": Number(_LVS, "test_documents", "d"),
     "lvs.budget_tokens": Number(_LVS, "budget_tokens", ",d"),
@@ -772,7 +772,8 @@ REGISTRY.update({
     **{f"lvs.{arm}.seed{i}": Number(_LVS, f"arms.{arm}.values.[{i}]", ".1f", 100)
        for arm in _LVS_ARMS for i in range(3)},
     **{f"lvs.{arm}.lr": Number(_LVS, f"arms.{arm}.lr", "g") for arm in _LVS_ARMS},
-    **{f"lvs.c.vs_a.seed{i}.{k}": Number(_LVS, f"arms.c.paired_vs_a.[{i}].{path}", "+.1f", 100)
+    **{f"lvs.{arm}.vs_a.seed{i}.{k}": Number(_LVS, f"arms.{arm}.paired_vs_a.[{i}].{path}", "+.1f", 100)
+       for arm in _LVS_ARMS if arm != "a"
        for i in range(3) for k, path in (("delta", "delta"), ("low", "ci95.[0]"), ("high", "ci95.[1]"))},
     **{f"lvs.{arm}.{bucket}": Number(_LVS, f"probe.arms.{arm}.{name}.macro_f1", ".1f", 100)
        for arm in _LVS_ARMS for bucket, name in (("within_512", "<= 512"), ("above_512", "> 512"))},
