@@ -99,8 +99,8 @@ def interpret_arg(interpret: bool):
   params = getattr(pltpu, "InterpretParams", None)  # jax 0.10.2 and 0.11
   if params is None or lowering.interpreting() != "tpu" or lowering.manual_device_count() > 1:
     return True
-  chosen = lowering.interpret_params()
-  if isinstance(chosen, str) and chosen == lowering.PLAIN:
+  chosen = lowering.interpret_params()  # None, InterpretParams or PLAIN (interpret_as checked it)
+  if chosen == lowering.PLAIN:
     return True
   return chosen or params()
 
