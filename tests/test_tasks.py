@@ -496,6 +496,7 @@ def test_each_word_is_predicted_once_from_the_window_where_it_is_most_central(ma
   planned = data_lib.eval_plan.token_eval_batches(documents, tags, tok, batch_size=4)
   word_ids = np.concatenate([b["word_ids"][b["word_ids"] >= 0] for b in planned])
   assert sorted(word_ids.tolist()) == list(range(sum(map(len, documents))))
+  assert planned.num_windows == sum(int(np.sum(b["doc_ids"] >= 0)) for b in planned)  # each window once
   gold = np.concatenate(tags)
   for b in planned:
     np.testing.assert_array_equal(b["labels"][b["word_ids"] >= 0], gold[b["word_ids"][b["word_ids"] >= 0]])
@@ -574,6 +575,8 @@ def test_token_classification_trains_evaluates_predicts_and_exports(token_run, t
     assert report[f"entity_recall{suffix}"] == pytest.approx(expected["recall"], abs=1e-12)
   assert report["token_accuracy"] == pytest.approx(expected["token_accuracy"])
   assert report["entity_f1"] > 0.5 and report["words_scored"] == sum(len(g) for g in gold)
+  # Windows, not words: each document is cut into at least one, the long ones into several.
+  assert len(rows) < report["num_windows"] < report["words_scored"]
   out = export.export_to_transformers(str(workdir), tmp_path / "hf", checkpoint="latest")
   hf = json.loads((out / "config.json").read_text())
   assert hf["architectures"] == ["BertForTokenClassification"] and "problem_type" not in hf

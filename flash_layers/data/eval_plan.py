@@ -171,15 +171,17 @@ def eval_batches(texts: Sequence[str], labels: Sequence | None, tokenizer: TextT
 
 class TokenBatches(list):
   """Token classification's evaluation batches, with what scoring needs beyond them: `doc_words`
-  (each document's number of words) and `doc_tags` (each document's gold tag ids; None to predict).
-  A word is in the batches at most once, at its first piece in the window where that piece is most
-  central (tokenize.WordWindow); a word in no window (cut off by truncation, or turned into no
-  piece) is scored as predicted "O"."""
+  (each document's number of words), `doc_tags` (each document's gold tag ids; None to predict) and
+  `num_windows` (the windows the documents were cut into, over all processes). A word is in the
+  batches at most once, at its first piece in the window where that piece is most central
+  (tokenize.WordWindow); a word in no window (cut off by truncation, or turned into no piece) is
+  scored as predicted "O"."""
 
-  def __init__(self, batches, doc_words: list[int], doc_tags: list[np.ndarray] | None):
+  def __init__(self, batches, doc_words: list[int], doc_tags: list[np.ndarray] | None, num_windows: int):
     super().__init__(batches)
     self.doc_words = doc_words
     self.doc_tags = doc_tags
+    self.num_windows = num_windows
 
 
 def token_eval_batches(documents: Sequence[Sequence[str]], tags: Sequence | None, tokenizer: TextTokenizer,
@@ -200,7 +202,8 @@ def token_eval_batches(documents: Sequence[Sequence[str]], tags: Sequence | None
       slots.append(token_tags(w.central_word, None if tags is None else tags[doc]))
       word_ids.append(np.where(w.central_word >= 0, w.central_word + offsets[doc], -1).astype(np.int32))
   batches = _planned(windows, slots, doc_of, {"word_ids": word_ids}, tokenizer, LabelSpec("tags"), **options)
-  return TokenBatches(batches, doc_words, None if tags is None else [np.asarray(t, np.int32) for t in tags])
+  return TokenBatches(batches, doc_words, None if tags is None else [np.asarray(t, np.int32) for t in tags],
+                      num_windows=len(windows))
 
 
 def _planned(windows, slots, doc_of, extras: dict, tokenizer, label_spec, *, batch_size: int,

@@ -135,7 +135,7 @@ def _score_words(objective, plan, word_logits: list, word_ids: list, keep_logits
     ids = np.concatenate(word_ids)
     logits[ids] = np.concatenate(word_logits)
     seen[ids] = True
-  result = {"count": len(plan.doc_words), "num_windows": int(seen.sum()), "objective": objective}
+  result = {"count": len(plan.doc_words), "num_windows": plan.num_windows, "objective": objective}
   if plan.doc_tags is not None:
     result.update(objective.score_words(logits, seen, plan.doc_words, plan.doc_tags))
   if keep_logits:
