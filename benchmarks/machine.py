@@ -2,20 +2,9 @@
 
 from __future__ import annotations
 
-import platform
 import resource
 
-
-def cpu_model() -> str:
-  """The processor's model name (Linux), else what `platform` knows."""
-  try:
-    with open("/proc/cpuinfo") as f:
-      for line in f:
-        if line.startswith("model name"):
-          return line.split(":", 1)[1].strip()
-  except OSError:
-    pass
-  return platform.processor() or platform.machine()
+from flash_layers.tuning.cache import cpu_model  # noqa: F401  (benchmarks record it beside their numbers)
 
 
 def children_cpu() -> float:

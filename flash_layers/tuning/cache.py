@@ -59,7 +59,8 @@ def user_dir(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
   return pathlib.Path(base) / "flash_layers" / "tuning"
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+  """The processor's model name (Linux's /proc/cpuinfo), else what `platform` knows, else "unknown"."""
   try:
     with open("/proc/cpuinfo") as f:
       for line in f:
@@ -77,7 +78,7 @@ def device_kind(platform: str | None = None) -> str:
   use change the best layout as much as the model does)."""
   device = jax.devices()[0] if platform is None else jax.devices(platform)[0]
   if device.platform == "cpu":
-    return f"cpu:{_cpu_model()}:{os.cpu_count()}"
+    return f"cpu:{cpu_model()}:{os.cpu_count()}"
   return device.device_kind
 
 
