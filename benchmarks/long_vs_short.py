@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import pathlib
@@ -264,13 +265,17 @@ class Study:
         deltas.append({"seed": mine["seed"], "delta": delta,
                        "ci95": [float(np.percentile(diff, 2.5)), float(np.percentile(diff, 97.5))]})
       arms[arm]["paired_vs_a"] = deltas
-    summary = {"date": datetime.date.today().isoformat(), "dataset": str(self.args.dataset),
+    # The data by name and content, not by where it lay on the machine that ran the study.
+    summary = {"date": datetime.date.today().isoformat(), "dataset": self.args.dataset.name,
+               "dataset_sha256": {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+                                  for f in sorted(self.args.dataset.glob("*.jsonl"))},
                "pooling": self.args.pooling, "mlm_lr": self.args.mlm_lr,
                "task": self.args.task, "metric": primary, "test_documents": len(gold),
                "budget_tokens": self.args.budget_tokens,
                "short": self.args.short, "long": self.args.long, "batch": self.args.batch,
                "lrs": self.args.lrs, "seeds": self.args.seeds, "bootstrap": self.args.bootstrap, "arms": arms,
-               "mlm": {w: json.loads(self._record_path(f"mlm_{w}").read_text())
+               "mlm": {w: json.loads(self._record_path(f"mlm_{w}").read_text().replace(
+                           str(self.args.dataset), self.args.dataset.name))
                        for w in ("short", "long") if self._record_path(f"mlm_{w}").exists()},
                "probe": self.probe(gold, score, records),
                "cpu_model": cpu_dense.cpu_model(), "machine": platform.machine(), "cpu_count": os.cpu_count()}

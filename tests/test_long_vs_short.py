@@ -3,6 +3,7 @@ bootstrap intervals, against a hand count of each class's F1 on made-up predicti
 
 from __future__ import annotations
 
+import hashlib
 import json
 
 import numpy as np
@@ -50,6 +51,9 @@ def test_report_scores_means_and_paired_intervals(tmp_path):
                       "--seeds", "0", "1", "--bootstrap", "300", "--work", str(tmp_path / "work")])
   summary = json.loads((out / "summary.json").read_text())
   assert summary["metric"] == "macro_f1" and summary["test_documents"] == 60
+  assert summary["dataset"] == data.name and str(tmp_path) not in json.dumps(summary)  # no local path
+  test_sha = hashlib.sha256((data / "test.jsonl").read_bytes()).hexdigest()
+  assert summary["dataset_sha256"]["test.jsonl"] == test_sha
   for arm in ("a", "c"):
     by_hand = [_macro_f1_by_hand(gold, p) for p in predictions[arm]]
     row = summary["arms"][arm]
