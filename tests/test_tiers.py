@@ -23,6 +23,7 @@ from pathlib import Path
 import profile_plugin
 import pytest
 import test_conformance as conformance
+import tiering
 
 ROOT = Path(__file__).resolve().parent.parent
 LONG_S = 10.0
@@ -53,14 +54,19 @@ LONG_DEFAULT: dict[str, str] = {
 }
 
 
-@pytest.fixture(scope="module")
-def default_tier() -> list[str]:
-  proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
-                        cwd=ROOT, capture_output=True, text=True, timeout=600,
+def _collect(*args: str) -> str:
+  """`pytest --collect-only -q ARGS` in a subprocess, with the repository's own addopts (the tiers)."""
+  proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                         *args], cwd=ROOT, capture_output=True, text=True, timeout=600,
                         env={k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
                         | {"PYTHONPATH": str(ROOT)})
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-  return [line for line in proc.stdout.splitlines() if "::" in line]
+  assert proc.returncode in (0, 5), proc.stdout[-3000:] + proc.stderr[-3000:]  # 5: nothing selected
+  return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def default_tier() -> list[str]:
+  return [line for line in _collect().splitlines() if "::" in line]
 
 
 def test_default_tier_is_measured_and_fits_its_budget(default_tier):
@@ -116,3 +122,15 @@ def test_default_tier_keeps_what_the_rule_names(default_tier):
       ids = {f"tests/test_conformance.py::test_conforms[{conformance._case_id(case)}-{name}-{dtype}]"
              for name in served}
       assert ids & set(default_tier), f"no default-tier {dtype} conformance case for {case}"
+
+
+def test_a_cases_tier_does_not_depend_on_the_selection():
+  # A covering array's second-tier case, selected alone by its id, is still second tier: the array is
+  # built over every case of the function, not over the ones a command line selected.
+  function = "tests/test_paged.py::test_float32_matches_oracle"
+  second = f"{function}[heads_first-reference]"
+  assert function in tiering.COVERINGS
+  kept = [line for line in _collect(function).splitlines() if line.startswith(function + "[")]
+  assert kept and second not in kept
+  alone = _collect(second)
+  assert "1 deselected" in alone and "::" not in alone, alone[-2000:]

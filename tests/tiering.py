@@ -265,12 +265,20 @@ def _value_id(value) -> str:
 
 
 def covering_keeps(items: list) -> set[str]:
-  """The node ids of COVERINGS' default-tier cases among `items` (collected pytest items)."""
+  """The node ids of COVERINGS' default-tier cases among `items` (collected pytest items).
+
+  The covering array is built over every parametrization of the function, not only the collected
+  ones, so a case's tier does not depend on the selection (`pytest file::test[id]` runs it in the
+  tier a whole run gives it): when `items` hold some of a function's cases, its parent is collected
+  again for the others.
+  """
   keep: set[str] = set()
   for function, dims in COVERINGS.items():
     cases = [i for i in items if i.nodeid.split("[")[0] == function and hasattr(i, "callspec")]
     if not cases:
       continue
+    name = cases[0].originalname
+    cases = [i for i in cases[0].parent.collect() if getattr(i, "originalname", None) == name]
     dims = [d if isinstance(d, tuple) else (d,) for d in dims]
     coords = {i.nodeid: tuple(tuple(_value_id(i.callspec.params[n]) for n in d) for d in dims) for i in cases}
     values = [list(dict.fromkeys(c[k] for c in coords.values())) for k in range(len(dims))]
