@@ -52,9 +52,9 @@ def test_offsets_and_lse_cotangent_match_reference(kwargs):
   q, k, v = _inputs()
   with fl.interpret_as("gpu"):
     out, lse = _attend("flash_pallas", q, k, v, **kwargs)
-    grads = jax.grad(_out_and_lse_loss("flash_pallas", **kwargs), (0, 1, 2))(q, k, v)
+    grads = jax.jit(jax.grad(_out_and_lse_loss("flash_pallas", **kwargs), (0, 1, 2)))(q, k, v)
   ref_out, ref_lse = _attend("reference", q, k, v, **kwargs)
-  ref_grads = jax.grad(_out_and_lse_loss("reference", **kwargs), (0, 1, 2))(q, k, v)
+  ref_grads = jax.jit(jax.grad(_out_and_lse_loss("reference", **kwargs), (0, 1, 2)))(q, k, v)
   np.testing.assert_allclose(out, ref_out, atol=2e-5)
   np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(ref_lse))
   finite = np.isfinite(ref_lse)
@@ -71,9 +71,10 @@ def test_interior_and_edge_blocks_with_small_tiles():
   q, k, v = _inputs(t=45, s=70, h=2, kvh=1, d=16)
   with fl.interpret_as("gpu"):
     out, lse = _attend("flash_pallas", q, k, v, block_sizes=tiles, **kwargs)
-    grads = jax.grad(_out_and_lse_loss("flash_pallas", block_sizes=tiles, **kwargs), (0, 1, 2))(q, k, v)
+    loss = _out_and_lse_loss("flash_pallas", block_sizes=tiles, **kwargs)
+    grads = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
   ref_out, ref_lse = _attend("reference", q, k, v, **kwargs)
-  ref_grads = jax.grad(_out_and_lse_loss("reference", **kwargs), (0, 1, 2))(q, k, v)
+  ref_grads = jax.jit(jax.grad(_out_and_lse_loss("reference", **kwargs), (0, 1, 2)))(q, k, v)
   np.testing.assert_allclose(out, ref_out, atol=2e-5)
   finite = np.isfinite(ref_lse)
   np.testing.assert_array_equal(np.isfinite(lse), finite)
@@ -106,7 +107,7 @@ def test_rows_that_see_no_key_get_zeros_and_zero_gradients():
 
   with fl.interpret_as("gpu"):
     out = fl.attention(q, k, v, impl="flash_pallas", segment_ids=seg, kv_segment_ids=kv_seg)
-    dq, dk, dv = jax.grad(loss, (0, 1, 2))(q, k, v)
+    dq, dk, dv = jax.jit(jax.grad(loss, (0, 1, 2)))(q, k, v)
   assert np.all(np.asarray(out[:, 20:]) == 0)
   assert np.all(np.asarray(dq[:, 20:]) == 0)
   assert np.all(np.isfinite(dk)) and np.all(np.isfinite(dv))
@@ -123,10 +124,10 @@ def test_block_size_override_changes_tiles_not_results():
                                                         **extra)))
 
   with fl.interpret_as("gpu"):
-    got = jax.grad(loss("flash_pallas", block_sizes=block_sizes), (0, 1, 2))(q, k, v)
+    got = jax.jit(jax.grad(loss("flash_pallas", block_sizes=block_sizes), (0, 1, 2)))(q, k, v)
     request, _ = validate.prepare(q, k, v, block_sizes=block_sizes)
     assert gpu.block_shape(request, "cuda") == (16, 32)
-  want = jax.grad(loss("reference"), (0, 1, 2))(q, k, v)
+  want = jax.jit(jax.grad(loss("reference"), (0, 1, 2)))(q, k, v)
   for got_x, want_x in zip(got, want, strict=True):
     np.testing.assert_allclose(got_x, want_x, atol=5e-5)
 

@@ -55,9 +55,11 @@ def test_named_mask_mods_equal_the_builtin_arguments(impl, sizes, rule):
   kw = {} if sizes is None else {"block_sizes": sizes}
 
   def run(options):
-    f = lambda q, k, v: fl.attention(q, k, v, impl=impl, **options, **kw)  # noqa: E731
-    out = jax.jit(f)(q, k, v)
-    grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    def loss(q, k, v):
+      out = fl.attention(q, k, v, impl=impl, **options, **kw)
+      return jnp.sum(out ** 2), out
+
+    (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return out, grads
 
   (out_a, grads_a), (out_b, grads_b) = run(builtin), run(named)
@@ -77,9 +79,12 @@ def test_named_mask_mods_equal_the_builtin_arguments_in_our_kernels(family, rule
 
   def run(options):
     f = lambda q, k, v: fl.attention(q, k, v, impl="flash_pallas", **options)  # noqa: E731
-    with fl.interpret_as(family):
-      out = jax.jit(f)(q, k, v)
-      grads = jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) ** 2), argnums=(0, 1, 2))(q, k, v)
+    def loss(q, k, v):
+      out = f(q, k, v)
+      return jnp.sum(out ** 2), out
+
+    with fl.interpret_as(family):  # one program: the output and its gradients
+      (_, out), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return out, grads
 
   (out_a, grads_a), (out_b, grads_b) = run(builtin), run(named)
