@@ -23,7 +23,8 @@ learning-rate grid. The masked-LM runs are extra compute for (d) and (e), one pe
 sized by --mlm-short-steps and --mlm-long-steps; the report states both budgets.
 
 Stages (each resumable: a run whose record exists is not redone):
-  select   every arm x every --lrs at seed 0, scored on dev (the test split is not read)
+  select   every arm x every --lrs at seed 0, scored on dev (the test split is not read); (f) takes
+           (c)'s rate
   run      every arm at its best dev learning rate x every --seeds, then one prediction of the test
            split per run (the test labels are read here and only here)
   all      select then run, one arm at a time (an arm's seed-0 workdirs are freed before the next
@@ -185,11 +186,16 @@ class Study:
   # -- stages -----------------------------------------------------------------------------------
 
   def select_arm(self, arm: str) -> float:
-    """The arm's learning rate with the best dev metric at seed 0 (ties: the smaller); selected.json."""
+    """The arm's learning rate with the best dev metric at seed 0 (ties: the smaller); selected.json.
+    Probe arm (f) is (c) with more steps, not an arm to tune: it takes (c)'s rate."""
     primary = PRIMARY[self.args.task]
-    scores = {lr: self.finetune(arm, lr, 0, test=False)["dev"][primary] for lr in self.args.lrs}
-    best = max(scores, key=lambda lr: (scores[lr], -lr))
-    print(f"arm {arm} ({ARM_NAMES[arm]}): dev {primary} by lr {scores} -> {best:g}", flush=True)
+    if arm == "f":
+      best = self.select_arm("c")
+      print(f"arm f ({ARM_NAMES['f']}): arm c's learning rate {best:g}", flush=True)
+    else:
+      scores = {lr: self.finetune(arm, lr, 0, test=False)["dev"][primary] for lr in self.args.lrs}
+      best = max(scores, key=lambda lr: (scores[lr], -lr))
+      print(f"arm {arm} ({ARM_NAMES[arm]}): dev {primary} by lr {scores} -> {best:g}", flush=True)
     path = self.out / "selected.json"
     selected = json.loads(path.read_text()) if path.exists() else {}
     selected[arm] = best

@@ -74,3 +74,19 @@ def test_report_scores_means_and_paired_intervals(tmp_path):
     by_hand = np.mean([_macro_f1_by_hand([gold[i] for i in rows], [p[i] for i in rows])
                        for p in predictions["c"]])
     assert probe["arms"]["c"][name]["macro_f1"] == pytest.approx(by_hand, abs=1e-12)
+
+
+def test_probe_arm_f_takes_arm_cs_learning_rate(tmp_path, monkeypatch):
+  # (f) is (c) with more steps: selecting it selects (c) (on dev, at seed 0) and trains no run of its own.
+  runs = []
+
+  def finetune(self, arm, lr, seed, test):
+    runs.append((arm, lr, seed, test))
+    return {"dev": {"macro_f1": {1e-4: 0.2, 3e-4: 0.6, 1e-3: 0.4}[lr]}}
+
+  monkeypatch.setattr(long_vs_short.Study, "finetune", finetune)
+  out = tmp_path / "out"
+  long_vs_short.main(["select", "--dataset", str(tmp_path), "--out", str(out), "--arms", "f",
+                      "--lrs", "1e-4", "3e-4", "1e-3", "--work", str(tmp_path / "work")])
+  assert sorted(runs) == [("c", lr, 0, False) for lr in (1e-4, 3e-4, 1e-3)]
+  assert json.loads((out / "selected.json").read_text()) == {"c": 3e-4, "f": 3e-4}
