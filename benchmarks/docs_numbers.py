@@ -755,9 +755,9 @@ REGISTRY.update({
     "position_copy.masked_from_512": Number(_POSITION_COPY, "final.masked_from_512", ",d"),
 })
 
-# docs/training.md: the long-versus-short study (benchmarks/long_vs_short.py), the arms measured so far.
+# docs/training.md: the long-versus-short study (benchmarks/long_vs_short.py), its five arms and probe (f).
 _LVS = "long-vs-short-2026-12-07/summary.json"
-_LVS_ARMS = ("a", "b", "c")
+_LVS_ARMS = ("a", "b", "c", "d", "e", "f")
 REGISTRY.update({
     "lvs.test_documents": Number(_LVS, "test_documents", "d"),
     "lvs.budget_tokens": Number(_LVS, "budget_tokens", ",d"),
@@ -767,6 +767,11 @@ REGISTRY.update({
     "lvs.share_above_1024": Number(_LVS, "probe.tokens.share_above_1024", ".1f", 100),
     "lvs.documents_above_512": Number(_LVS, "probe.documents.> 512", "d"),
     "lvs.documents_within_512": Number(_LVS, "probe.documents.<= 512", "d"),
+    "lvs.mlm_short.accuracy": Number(_LVS, "mlm.short.dev.mlm_accuracy", ".1f", 100),
+    "lvs.mlm_short.loss": Number(_LVS, "mlm.short.dev.mlm_loss", ".2f"),
+    "lvs.mlm_long.accuracy": Number(_LVS, "mlm.long.dev.mlm_accuracy", ".1f", 100),
+    "lvs.mlm_long.loss_below_512": Number(_LVS, "mlm.long.dev.mlm_loss_below_512", ".2f"),
+    "lvs.mlm_long.loss_from_512": Number(_LVS, "mlm.long.dev.mlm_loss_from_512", ".2f"),
     **{f"lvs.{arm}.{k}": Number(_LVS, f"arms.{arm}.{k}", ".1f", 100)
        for arm in _LVS_ARMS for k in ("mean", "std")},
     **{f"lvs.{arm}.seed{i}": Number(_LVS, f"arms.{arm}.values.[{i}]", ".1f", 100)
