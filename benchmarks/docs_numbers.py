@@ -678,6 +678,8 @@ _TESTS_TIME = "test-time-default-2026-12-07.json"
 _TESTS_CI = "test-time-ci-coverage-2026-12-07.json"
 _TESTS_COV = "test-coverage-2026-12-07.json"
 _MUTANTS = "mutants-2026-12-07.json"
+_TESTS_COV_NOW = "test-coverage-7cd30b7-2026-12-08.json"
+_TESTS_CI_COV_NOW = "test-time-ci-coverage-7cd30b7-2026-12-08.json"
 REGISTRY.update({
     "tests.before.count": Number(_TESTS_BEFORE, "profile.tests", ",d"),
     "tests.before.wall_min": Number(_TESTS_BEFORE, "wall_s", ".1f", 1 / 60),
@@ -696,6 +698,14 @@ REGISTRY.update({
     "tests.cov.both": Number(_TESTS_COV, "rows.both.branch_percent", ".1f"),
     "tests.cov.default": Number(_TESTS_COV, "rows.default.branch_percent", ".1f"),
     "tests.cov.share": Number(_TESTS_COV, "rows.default_share_of_both_branches_percent", ".1f"),
+    "tests.cov_now.both": Number(_TESTS_COV_NOW, "rows.both.branch_percent", ".1f"),
+    "tests.cov_now.default": Number(_TESTS_COV_NOW, "rows.default.branch_percent", ".1f"),
+    "tests.cov_now.share": Number(_TESTS_COV_NOW, "rows.default_share_of_both_branches_percent", ".1f"),
+    "tests.cov_now.branches": Number(_TESTS_COV_NOW, "rows.both.branches", ",d"),
+    "tests.ci_cov_now.commit": Number(_TESTS_CI_COV_NOW, "commit", "s"),
+    "tests.ci_cov_now.wall_min": Number(_TESTS_CI_COV_NOW, "wall_s", ".1f", 1 / 60),
+    "tests.ci_cov_now.default_count": Number(_TESTS_CI_COV_NOW, "default_tier_tests", ",d"),
+    "tests.ci_cov_now.slow_count": Number(_TESTS_CI_COV_NOW, "second_tier_tests", ",d"),
     "tests.mutants.total": Number(_MUTANTS, "mutants_count", "d"),
     "tests.mutants.caught": Number(_MUTANTS, "caught_count", "d"),
 })
