@@ -269,16 +269,19 @@ def covering_keeps(items: list) -> set[str]:
 
   The covering array is built over every parametrization of the function, not only the collected
   ones, so a case's tier does not depend on the selection (`pytest file::test[id]` runs it in the
-  tier a whole run gives it): when `items` hold some of a function's cases, its parent is collected
-  again for the others.
+  tier a whole run gives it): the module (or class) of a function with a collected case is collected
+  again, once, for all of its cases.
   """
   keep: set[str] = set()
+  recollected: dict[str, list] = {}  # parent node id -> its items
   for function, dims in COVERINGS.items():
     cases = [i for i in items if i.nodeid.split("[")[0] == function and hasattr(i, "callspec")]
     if not cases:
       continue
-    name = cases[0].originalname
-    cases = [i for i in cases[0].parent.collect() if getattr(i, "originalname", None) == name]
+    parent, name = cases[0].parent, cases[0].originalname
+    if parent.nodeid not in recollected:
+      recollected[parent.nodeid] = list(parent.collect())
+    cases = [i for i in recollected[parent.nodeid] if getattr(i, "originalname", None) == name]
     dims = [d if isinstance(d, tuple) else (d,) for d in dims]
     coords = {i.nodeid: tuple(tuple(_value_id(i.callspec.params[n]) for n in d) for d in dims) for i in cases}
     values = [list(dict.fromkeys(c[k] for c in coords.values())) for k in range(len(dims))]
